@@ -1,0 +1,278 @@
+"""``create_app(config)``: wires routes, guards, the store and the upstream client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from proxy import logs
+from proxy.background import TaskSet
+from proxy.config import Config, RouteConfig, load_config
+from proxy.errors import (
+    BadRequest,
+    InvalidPath,
+    OutcomeUnknown,
+    ProxyError,
+    RequestInProgress,
+    RequestTooLarge,
+    StoreUnavailable,
+    UpstreamUnreachable,
+)
+from proxy.forwarding import RawHeaders, Upstream, UpstreamResponse, request_headers
+from proxy.idempotency import Guard, Outcome
+from proxy.problems import handle_proxy_error, handle_unexpected
+from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
+from proxy.store import Store, make_store
+
+# Bodies up to this size are read whole (one write upstream); larger ones are streamed.
+SMALL_BODY_BYTES = 64 * 1024
+# How often expired records are deleted from stores that do not expire them themselves.
+SWEEP_INTERVAL_SECONDS = 60.0
+# readyz gives up on the store after this long.
+READY_TIMEOUT_SECONDS = 2.0
+# Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+_ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
+    RequestInProgress: Outcome.CONFLICT,
+    UpstreamUnreachable: Outcome.RELEASED,
+    OutcomeUnknown: Outcome.FAILED,
+}
+
+
+@dataclass(slots=True)
+class Trace:
+    """What the request log line says about one request."""
+
+    route: str | None = None
+    key: str | None = None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, or ``RequestTooLarge`` as soon as it passes ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest("Content-Length is not a number")
+        if int(declared) > limit:
+            raise RequestTooLarge(f"the body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _respond(upstream: UpstreamResponse, headers: RawHeaders, body: bytes, head: bool) -> Response:
+    response = Response(body, upstream.status)
+    length = upstream.length if head and upstream.length is not None else len(body)
+    response.raw_headers = [*headers, (b"content-length", str(length).encode())]
+    return response
+
+
+class Proxy:
+    """The catch-all endpoint: match a route, then pass through or guard."""
+
+    def __init__(self, config: Config, store: Store, upstream: Upstream, tasks: TaskSet) -> None:
+        self.config = config
+        self.store = store
+        self.upstream = upstream
+        self.tasks = tasks
+        self.log = logs.get_logger()
+        self.router = Router(config.routes)
+        self.guards = {
+            r.name: Guard(r, r.idempotency, store, tasks, self.log)
+            for r in config.routes
+            if r.idempotency is not None
+        }
+        self.max_body = config.limits.max_body_bytes
+
+    async def handle(self, request: Request) -> Response:
+        """Entry point for every proxied request; logs one ``request`` event."""
+        started = time.perf_counter()
+        trace = Trace()
+        outcome, status = Outcome.REJECTED, 500
+        try:
+            response, outcome = await self._dispatch(request, trace)
+            status = response.status_code
+            return response
+        except ProxyError as exc:
+            status = exc.status
+            guarded = trace.key is not None
+            outcome = (
+                _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
+                if guarded
+                else (Outcome.REJECTED if exc.status < 500 else Outcome.PASSED)
+            )
+            raise
+        finally:
+            self.log.info(
+                "request",
+                method=request.method,
+                path=request.url.path,
+                route=trace.route,
+                key=trace.key,
+                outcome=outcome.value,
+                status=status,
+                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+            )
+
+    async def _dispatch(self, request: Request, trace: Trace) -> tuple[Response, Outcome]:
+        scope = request.scope
+        if ABSOLUTE_FORM in scope.get("extensions", {}):
+            raise InvalidPath(
+                "absolute-form request targets are refused: this is not a forward proxy"
+            )
+        path = scope["path"]
+        check_path(path, scope.get("raw_path") or path.encode())
+        route = self.router.match(path)
+        trace.route = route.name
+        guard = self.guards.get(route.name)
+        if guard is None or not guard.guards(request.method):
+            return await self._pass_through(request, route), Outcome.PASSED
+        body = await read_body(request, self.max_body)
+        op = guard.operation(
+            request.headers.get("idempotency-key"), body, request.headers.get("content-type")
+        )
+        if op is None:
+            return await self._exchange(request, route, body), Outcome.PASSED
+        trace.key = op.label
+        return await guard.run(op, lambda: self._send(request, route, body))
+
+    async def _send(
+        self,
+        request: Request,
+        route: RouteConfig,
+        body: bytes | AsyncIterator[bytes],
+        length: int | None = None,
+    ) -> UpstreamResponse:
+        scope = request.scope
+        client = scope.get("client")
+        headers = request_headers(scope["headers"], client[0] if client else None, scope["scheme"])
+        if length is not None:
+            headers["Content-Length"] = str(length)
+        url = upstream_url(
+            route, scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
+        )
+        return await self.upstream.send(request.method, url, headers, body, route.timeout)
+
+    async def _pass_through(self, request: Request, route: RouteConfig) -> Response:
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit() or int(declared) <= SMALL_BODY_BYTES:
+            return await self._exchange(request, route, await read_body(request, self.max_body))
+        length = int(declared)
+        if length > self.max_body:
+            raise RequestTooLarge(f"the body is {length} bytes; the limit is {self.max_body}")
+        upstream = await self._send(request, route, request.stream(), length)
+        return await self._relay(request, upstream)
+
+    async def _exchange(self, request: Request, route: RouteConfig, body: bytes) -> Response:
+        return await self._relay(request, await self._send(request, route, body))
+
+    async def _relay(self, request: Request, upstream: UpstreamResponse) -> Response:
+        head = request.method == "HEAD"
+        if head or (upstream.length is not None and upstream.length <= SMALL_BODY_BYTES):
+            return _respond(upstream, upstream.headers, await upstream.read(), head)
+        response = StreamingResponse(upstream.stream(), upstream.status)
+        length = (
+            [] if upstream.length is None else [(b"content-length", str(upstream.length).encode())]
+        )
+        response.raw_headers = [*upstream.headers, *length]
+        return response
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry: every method on every path that is not the proxy's own."""
+        response = await self.handle(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_SECONDS):
+                await self.store.ping()
+        except TimeoutError:
+            raise StoreUnavailable(
+                "the store did not answer in time", headers={"Retry-After": "1"}
+            ) from None
+        except StoreUnavailable as exc:
+            exc.headers.setdefault("Retry-After", "1")
+            raise
+        return JSONResponse({"status": "ready"})
+
+
+async def _sweep_forever(store: Store, log: Any) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
+        try:
+            swept = await store.sweep()
+        except StoreUnavailable as exc:
+            log.warning("sweep_failed", error=exc.detail)
+            continue
+        if swept:
+            log.info("swept", records=swept)
+
+
+def create_app(config: Config, *, store: Store | None = None) -> Starlette:
+    """The ASGI application for ``config``; ``store`` overrides ``config.store.url``."""
+    tasks = TaskSet()
+    upstream = Upstream()
+    proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks)
+    drain_seconds = max(r.timeout for r in config.routes) + SHUTDOWN_GRACE_SECONDS
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await proxy.store.open()
+        await upstream.start()
+        sweeper = asyncio.create_task(_sweep_forever(proxy.store, proxy.log))
+        proxy.log.info(
+            "started",
+            routes=[r.name for r in config.routes],
+            store=config.store.url.split("://", 1)[0],
+        )
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            if not await tasks.drain(drain_seconds):
+                proxy.log.error("shutdown_with_calls_in_flight", calls=len(tasks))
+            await upstream.close()
+            await proxy.store.close()
+
+    async def on_proxy_error(request: Request, exc: Exception) -> Response:
+        return await handle_proxy_error(request, exc)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        proxy.log.exception("unexpected_error", path=request.url.path)
+        return await handle_unexpected(request, exc)
+
+    routes = [
+        Route("/_proxy/healthz", proxy.healthz, methods=["GET", "HEAD"]),
+        Route("/_proxy/readyz", proxy.readyz, methods=["GET", "HEAD"]),
+        Route("/{path:path}", proxy),
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={ProxyError: on_proxy_error, Exception: on_unexpected},
+    )
+
+
+def app_from_env() -> Starlette:
+    """uvicorn factory: the configuration from ``TOOL_PROXY_CONFIG`` (and env overrides)."""
+    logs.configure()
+    return create_app(load_config())

@@ -1,0 +1,40 @@
+"""Work that outlives the request that started it (an upstream call whose caller left).
+
+The app owns one ``TaskSet``; shutdown waits for it, so in-flight outcomes are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class TaskSet:
+    """Strong references to running tasks, and a way to wait for all of them."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: whoever awaited it has seen it, or it was logged
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every task; True if all finished."""
+        if not self._tasks:
+            return True
+        _, pending = await asyncio.wait(set(self._tasks), timeout=seconds)
+        return not pending

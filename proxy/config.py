@@ -1,0 +1,275 @@
+"""The YAML configuration: validated models, defaults, and every problem reported at once.
+
+Unknown keys are errors. Durations are seconds (a number) or a string with a unit:
+``250ms``, ``5s``, ``2m``, ``24h``, ``7d``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from proxy.errors import ConfigError
+from proxy.keys import Canonicalization, KeyKind
+
+# The store used when the file names none: the embedded SQLite database.
+DEFAULT_STORE_URL = "sqlite:///var/lib/tool-proxy/state.db"
+# Where `serve` listens unless the file or --host/--port say otherwise.
+DEFAULT_HOST = "0.0.0.0"
+DEFAULT_PORT = 8080
+# Request bodies above this get 413 and are never forwarded (10 MiB).
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+# The whole upstream exchange (connect, send, wait, read) must fit in this.
+DEFAULT_TIMEOUT = 30.0
+# Guarded by default: the non-idempotent methods.
+DEFAULT_METHODS = ("POST", "PATCH")
+# The IN_PROGRESS lease; renewed every lock_ttl/3 while the upstream works.
+DEFAULT_LOCK_TTL = 120.0
+# How long COMPLETED and FAILED outcomes are replayed.
+DEFAULT_RESULT_TTL = 24 * 3600.0
+# Retry-After sent with a 409 (capped by the time left on the lease).
+DEFAULT_RETRY_AFTER = 5.0
+# Upstream statuses that are passed on but release the key, so a retry executes.
+DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
+
+# Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
+RESERVED_PREFIX = "/_proxy"
+
+ENV_CONFIG = "TOOL_PROXY_CONFIG"
+ENV_STORE_URL = "TOOL_PROXY_STORE_URL"
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
+_ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_METHOD = re.compile(r"[A-Z]{1,20}")
+_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss")
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 5s, 2m, 24h")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
+        seconds = float(match[1]) * _UNITS[match[2]]
+    else:
+        raise ValueError(f"not a duration: {value!r} (use a number of seconds or 250ms, 5s, 2m)")
+    if seconds <= 0:
+        raise ValueError("a duration must be positive")
+    return seconds
+
+
+def parse_wait(value: Any) -> float:
+    """Like :func:`parse_duration`, but zero (``0``, ``0s``) is allowed: no waiting."""
+    if isinstance(value, str) and (match := _DURATION.fullmatch(value)):
+        value = float(match[1]) * _UNITS[match[2]]
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return parse_duration(value)
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+Wait = Annotated[float, BeforeValidator(parse_wait)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StoreConfig(_Strict):
+    """Where idempotency records live."""
+
+    url: str = DEFAULT_STORE_URL
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str) -> str:
+        return check_store_url(url)
+
+
+class ServerConfig(_Strict):
+    """Where `serve` listens."""
+
+    host: str = DEFAULT_HOST
+    port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+
+
+class LimitsConfig(_Strict):
+    """Request limits."""
+
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
+
+
+class IdempotencyConfig(_Strict):
+    """How a route guards its calls."""
+
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    required: bool = True
+    key: KeyKind = KeyKind.COMPOSITE
+    canonicalization: Canonicalization = Canonicalization.JCS
+    lock_ttl: Duration = DEFAULT_LOCK_TTL
+    result_ttl: Duration = DEFAULT_RESULT_TTL
+    retry_after: Duration = DEFAULT_RETRY_AFTER
+    conflict_wait: Wait = 0.0
+    release_on_status: tuple[int, ...] = DEFAULT_RELEASE_ON_STATUS
+
+    @field_validator("methods")
+    @classmethod
+    def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        upper = tuple(m.upper() for m in methods)
+        for method in upper:
+            if not _METHOD.fullmatch(method):
+                raise ValueError(f"not an HTTP method: {method!r}")
+        if not upper:
+            raise ValueError("at least one method must be guarded")
+        return upper
+
+    @field_validator("release_on_status")
+    @classmethod
+    def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
+        for status in statuses:
+            if not 100 <= status <= 599:
+                raise ValueError(f"not an HTTP status: {status}")
+        return statuses
+
+    @model_validator(mode="after")
+    def _result_outlives_lease(self) -> IdempotencyConfig:
+        if self.result_ttl < self.lock_ttl:
+            raise ValueError("result_ttl must be at least lock_ttl")
+        return self
+
+
+class RouteConfig(_Strict):
+    """One tool behind the proxy."""
+
+    name: str
+    path_prefix: str
+    upstream: str
+    strip_prefix: bool = False
+    timeout: Duration = DEFAULT_TIMEOUT
+    idempotency: IdempotencyConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _ROUTE_NAME.fullmatch(name):
+            raise ValueError("a route name is 1..64 characters of [A-Za-z0-9._-]")
+        return name
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, prefix: str) -> str:
+        if not prefix.startswith("/") or "//" in prefix or "/../" in f"{prefix}/" or "%" in prefix:
+            raise ValueError("must start with '/' and be a plain path (no '//', '..' or '%')")
+        prefix = prefix.rstrip("/") or "/"
+        if prefix == RESERVED_PREFIX or prefix.startswith(RESERVED_PREFIX + "/"):
+            raise ValueError(f"{RESERVED_PREFIX} is reserved for the proxy's own endpoints")
+        return prefix
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, upstream: str) -> str:
+        parts = urlsplit(upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an absolute http(s) URL")
+        if parts.query or parts.fragment:
+            raise ValueError("an upstream is a base URL: no query or fragment")
+        return upstream.rstrip("/")
+
+
+class Config(_Strict):
+    """The whole file."""
+
+    store: StoreConfig = StoreConfig()
+    server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    routes: tuple[RouteConfig, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_routes(self) -> Config:
+        problems = []
+        for attr in ("name", "path_prefix"):
+            seen: set[str] = set()
+            for i, route in enumerate(self.routes):
+                value = getattr(route, attr)
+                if value in seen:
+                    problems.append(f"routes[{i}].{attr}: {value!r} is used by another route")
+                seen.add(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def check_store_url(url: str) -> str:
+    """Raise ValueError unless ``url`` names a known store."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in _STORE_SCHEMES:
+        raise ValueError("must be memory://, sqlite:///path, redis://... or rediss://...")
+    if scheme == "sqlite" and not url.removeprefix("sqlite://"):
+        raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
+    return url
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith("function-") or "[" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _message(error: Any) -> str:
+    kind, msg = error["type"], str(error["msg"])
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    return msg.removeprefix("Value error, ")
+
+
+def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
+    """Validate parsed YAML; raise ``ConfigError`` listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): the configuration must be a mapping"])
+    if store_url := (os.environ if env is None else env).get(ENV_STORE_URL):
+        data = {**data, "store": {**(data.get("store") or {}), "url": store_url}}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([f"{_location(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+
+
+def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Config:
+    """Read, parse and validate a YAML file (``TOOL_PROXY_CONFIG`` when no path is given)."""
+    path = path or (os.environ if env is None else env).get(ENV_CONFIG)
+    if not path:
+        raise ConfigError([f"no configuration: pass --config FILE or set {ENV_CONFIG}"])
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    return parse_config(data, env=env)

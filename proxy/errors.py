@@ -1,0 +1,187 @@
+"""The one error hierarchy of tool-proxy.
+
+Every error a caller can see is a ``ProxyError``; ``problems.py`` turns it into an
+RFC 9457 ``application/problem+json`` response, and nothing else does. Foreign
+exceptions (aiohttp, redis, sqlite3) are translated into these at the module that
+talks to the foreign library, with ``raise ... from exc``.
+
+    ProxyError
+    ├── BadRequest                          400
+    │   ├── InvalidPath                     400  path escapes the route or is not origin-form
+    │   ├── MissingIdempotencyKey           400
+    │   ├── InvalidIdempotencyKey           400
+    │   ├── InvalidJSONBody                 400
+    │   └── BodyNotCanonicalizable          400
+    ├── RouteNotFound                       404
+    ├── RequestInProgress                   409
+    ├── RequestTooLarge                     413
+    ├── UnprocessableKey                    422
+    │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
+    │   └── KeyReusedWithOtherBody          422  opaque key sent again with another body
+    ├── UpstreamUnreachable                 502  nothing was sent; the key is released
+    ├── OutcomeUnknown                      502/504  the request was sent, the answer was lost
+    ├── StoreUnavailable                    503
+    └── StoreError                          500  the store answered something it should not
+
+    ConfigError                             not an HTTP error: bad configuration, for the CLI
+"""
+
+from __future__ import annotations
+
+PROBLEM_BASE = "urn:tool-proxy:problem:"
+
+
+class ProxyError(Exception):
+    """Base class: an error with an HTTP status and a stable problem type."""
+
+    status = 500
+    slug = "internal-error"
+    title = "Internal error"
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return PROBLEM_BASE + self.slug
+
+
+class BadRequest(ProxyError):
+    """The request is malformed."""
+
+    status = 400
+    slug = "bad-request"
+    title = "Bad request"
+
+
+class InvalidPath(BadRequest):
+    """The request target is not a plain path under a route (absolute-form, '..', encoded '/')."""
+
+    slug = "invalid-path"
+    title = "Invalid request path"
+
+
+class MissingIdempotencyKey(BadRequest):
+    """A guarded route requires an Idempotency-Key and none was sent."""
+
+    slug = "idempotency-key-missing"
+    title = "Idempotency-Key required"
+
+
+class InvalidIdempotencyKey(BadRequest):
+    """The Idempotency-Key header is not of the route's key format."""
+
+    slug = "idempotency-key-invalid"
+    title = "Invalid Idempotency-Key"
+
+
+class InvalidJSONBody(BadRequest):
+    """The body is declared JSON but does not parse."""
+
+    slug = "invalid-json-body"
+    title = "Body is not valid JSON"
+
+
+class BodyNotCanonicalizable(BadRequest):
+    """The JSON body has no canonical form (e.g. an integer beyond 2**53 under RFC 8785)."""
+
+    slug = "body-not-canonicalizable"
+    title = "Body has no canonical JSON form"
+
+
+class RouteNotFound(ProxyError):
+    """No route's path_prefix matches the request path."""
+
+    status = 404
+    slug = "route-not-found"
+    title = "No route for this path"
+
+
+class RequestInProgress(ProxyError):
+    """The same key is being executed right now (by this or another replica)."""
+
+    status = 409
+    slug = "request-in-progress"
+    title = "A request with this Idempotency-Key is in progress"
+
+
+class RequestTooLarge(ProxyError):
+    """The request body is larger than limits.max_body_bytes."""
+
+    status = 413
+    slug = "request-too-large"
+    title = "Request body too large"
+
+
+class UnprocessableKey(ProxyError):
+    """The key is well-formed but does not belong to this body."""
+
+    status = 422
+    slug = "idempotency-key-mismatch"
+    title = "Idempotency-Key does not match the request"
+
+
+class ArgsHashMismatch(UnprocessableKey):
+    """The composite key's args_hash is not the SHA-256 of the body's canonical JSON."""
+
+    slug = "args-hash-mismatch"
+    title = "args_hash does not match the body"
+
+
+class KeyReusedWithOtherBody(UnprocessableKey):
+    """An opaque key came back with a different body than the one first recorded."""
+
+    slug = "idempotency-key-reused"
+    title = "Idempotency-Key was used with a different body"
+
+
+class UpstreamUnreachable(ProxyError):
+    """No connection to the upstream could be made: nothing was sent, the key is released."""
+
+    status = 502
+    slug = "upstream-unreachable"
+    title = "Upstream unreachable"
+
+
+class OutcomeUnknown(ProxyError):
+    """The request was sent but its answer was lost (timeout or broken connection).
+
+    The key is recorded FAILED and retries get this problem replayed, never a second
+    execution, until result_ttl ends the record.
+    """
+
+    status = 502
+    slug = "outcome-unknown"
+    title = "Upstream outcome unknown"
+
+    def __init__(
+        self, detail: str, *, status: int = 502, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail, headers=headers)
+        self.status = status
+
+
+class StoreUnavailable(ProxyError):
+    """The state store cannot be reached: guarded requests fail closed."""
+
+    status = 503
+    slug = "store-unavailable"
+    title = "Idempotency store unavailable"
+
+
+class StoreError(ProxyError):
+    """The store answered something that breaks its contract."""
+
+    status = 500
+    slug = "store-error"
+    title = "Idempotency store error"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``problems`` lists every problem, each naming its field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems

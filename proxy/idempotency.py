@@ -1,0 +1,258 @@
+"""The state machine of a guarded call: claim, forward, renew, record or release, replay.
+
+    claim ──claimed──▶ forward ──answer──────────▶ COMPLETED (replayed for result_ttl)
+      │                  │   └─release_on_status──▶ released (the next call executes)
+      │                  ├─no connection──────────▶ released, 502
+      │                  └─timeout / broken───────▶ FAILED, 504/502 (replayed, never re-run)
+      ├─IN_PROGRESS──▶ wait up to conflict_wait, then 409 + Retry-After
+      └─COMPLETED / FAILED──▶ replay with Idempotent-Replayed: true
+
+The upstream exchange runs in a task of its own: if the caller goes away, the call
+still finishes and its outcome is recorded, so the caller's retry gets a replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from starlette.responses import Response
+
+from proxy.background import TaskSet
+from proxy.config import IdempotencyConfig, RouteConfig
+from proxy.errors import (
+    ArgsHashMismatch,
+    KeyReusedWithOtherBody,
+    MissingIdempotencyKey,
+    OutcomeUnknown,
+    RequestInProgress,
+    StoreUnavailable,
+    UpstreamUnreachable,
+)
+from proxy.forwarding import UpstreamResponse
+from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
+from proxy.outcome import StoredResponse
+from proxy.store import Record, RecordKey, State, Store
+
+Forward = Callable[[], Awaitable[UpstreamResponse]]
+
+# Polling interval while a duplicate waits (conflict_wait) for the first call.
+CONFLICT_POLL_SECONDS = 0.05
+# Pause between attempts to record an outcome while the store is unreachable.
+RECORD_RETRY_SECONDS = 0.5
+
+
+class Outcome(StrEnum):
+    """What happened to a request, as logged."""
+
+    EXECUTED = "executed"
+    REPLAYED = "replayed"
+    CONFLICT = "conflict"
+    RELEASED = "released"
+    FAILED = "failed"
+    PASSED = "passed"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """A guarded request: where its record lives and what its body means."""
+
+    key: RecordKey
+    label: str
+    fingerprint: str
+
+
+class Guard:
+    """Idempotency for one route."""
+
+    def __init__(
+        self, route: RouteConfig, policy: IdempotencyConfig, store: Store, tasks: TaskSet, log: Any
+    ) -> None:
+        self.route = route
+        self.policy = policy
+        self.store = store
+        self.tasks = tasks
+        self.log = log
+        self._methods = frozenset(policy.methods)
+        self._release_on = frozenset(policy.release_on_status)
+
+    def guards(self, method: str) -> bool:
+        return method in self._methods
+
+    def operation(
+        self, header: str | None, body: bytes, content_type: str | None, principal: str = ""
+    ) -> Operation | None:
+        """Parse the key and fingerprint the body; None for an unguarded request."""
+        if header is None:
+            if self.policy.required:
+                methods = ", ".join(sorted(self._methods))
+                raise MissingIdempotencyKey(
+                    f"route {self.route.name} requires an Idempotency-Key for {methods}"
+                )
+            return None
+        digest = fingerprint(body, content_type, self.policy.canonicalization)
+        scope = f"{self.route.name}|{principal}"
+        if self.policy.key is KeyKind.COMPOSITE:
+            key = parse_composite(header)
+            if key.args_hash != digest:
+                raise ArgsHashMismatch(
+                    "args_hash must be the SHA-256 of the body's canonical JSON "
+                    f"({self.policy.canonicalization.value}); the body hashes to {digest}"
+                )
+            return Operation(RecordKey(f"{scope}|{key.plan}|{key.step}", digest), str(key), digest)
+        opaque = parse_opaque(header)
+        slot = hashlib.sha256(opaque.encode()).hexdigest()[:40]
+        return Operation(RecordKey(f"{scope}|{slot}", "-"), opaque, digest)
+
+    async def run(self, op: Operation, forward: Forward) -> tuple[Response, Outcome]:
+        """Execute once, replay, or refuse as a conflict."""
+        owner = secrets.token_urlsafe(16)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.conflict_wait
+        while True:
+            claim = await self.store.claim(
+                op.key, op.fingerprint, owner, self.policy.lock_ttl, self.policy.result_ttl
+            )
+            if claim.record is None:
+                break
+            response = self._existing(op, claim.record, deadline - loop.time())
+            if response is not None:
+                return response, Outcome.REPLAYED
+            await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
+        if claim.previous is not None:
+            self.log.info(
+                "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
+            )
+        task = self.tasks.spawn(self._execute(op, owner, forward))
+        return await asyncio.shield(task)
+
+    def _existing(self, op: Operation, record: Record, wait_left: float) -> Response | None:
+        """A replay, or None to wait more; raises 422 or 409."""
+        if record.fingerprint != op.fingerprint:
+            raise KeyReusedWithOtherBody(
+                "this Idempotency-Key was first used with a different request body"
+            )
+        if record.state is not State.IN_PROGRESS:
+            return StoredResponse.decode(record.payload).to_response(replayed=True)
+        if wait_left > 0:
+            return None
+        retry_after = max(1, math.ceil(min(self.policy.retry_after, record.ttl)))
+        raise RequestInProgress(
+            "a request with this Idempotency-Key is being executed; retry later",
+            headers={"Retry-After": str(retry_after)},
+        )
+
+    async def _execute(
+        self, op: Operation, owner: str, forward: Forward
+    ) -> tuple[Response, Outcome]:
+        lease = asyncio.create_task(self._keep_lease(op, owner))
+        try:
+            upstream = await forward()
+            body = await upstream.read()
+        except UpstreamUnreachable:
+            lease.cancel()
+            await self._release(op, owner)
+            raise
+        except OutcomeUnknown as exc:
+            failure = StoredResponse.of_problem(exc)
+            await self._record(op, owner, State.FAILED, failure, lease)
+            return failure.to_response(replayed=False), Outcome.FAILED
+        except BaseException:
+            lease.cancel()
+            raise
+        answer = StoredResponse(upstream.status, upstream.headers, body)
+        if upstream.status in self._release_on:
+            lease.cancel()
+            await self._release(op, owner)
+            return answer.to_response(replayed=False), Outcome.RELEASED
+        stored = StoredResponse.of(upstream.status, upstream.headers, body)
+        await self._record(op, owner, State.COMPLETED, stored, lease)
+        return answer.to_response(replayed=False), Outcome.EXECUTED
+
+    async def _keep_lease(self, op: Operation, owner: str) -> None:
+        """Renew the lease every lock_ttl/3 until cancelled or lost."""
+        while True:
+            await asyncio.sleep(self.policy.lock_ttl / 3)
+            try:
+                if not await self.store.renew(op.key, owner, self.policy.lock_ttl):
+                    self.log.warning("lease_lost", route=self.route.name, key=op.label)
+                    return
+            except StoreUnavailable as exc:
+                self.log.warning(
+                    "lease_renewal_failed", route=self.route.name, key=op.label, error=exc.detail
+                )
+
+    async def _release(self, op: Operation, owner: str) -> None:
+        try:
+            await self.store.release(op.key, owner)
+        except StoreUnavailable as exc:
+            self.log.warning(
+                "release_failed",
+                route=self.route.name,
+                key=op.label,
+                error=exc.detail,
+                note="the key stays locked until lock_ttl ends",
+            )
+
+    async def _record(
+        self,
+        op: Operation,
+        owner: str,
+        state: State,
+        stored: StoredResponse,
+        lease: asyncio.Task[None],
+    ) -> None:
+        """Record the outcome; if the store is down, keep trying in the background."""
+        payload = stored.encode()
+        try:
+            await self._complete(op, owner, state, payload)
+        except StoreUnavailable as exc:
+            self.log.error(
+                "outcome_not_recorded_yet",
+                route=self.route.name,
+                key=op.label,
+                error=exc.detail,
+                note="retrying while the lease lasts",
+            )
+            self.tasks.spawn(self._record_later(op, owner, state, payload, lease))
+            return
+        lease.cancel()
+
+    async def _complete(self, op: Operation, owner: str, state: State, payload: bytes) -> None:
+        if not await self.store.complete(op.key, owner, state, payload, self.policy.result_ttl):
+            self.log.error(
+                "lease_lost_before_recording",
+                route=self.route.name,
+                key=op.label,
+                note="another owner took the key over; its outcome is kept",
+            )
+
+    async def _record_later(
+        self, op: Operation, owner: str, state: State, payload: bytes, lease: asyncio.Task[None]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.policy.lock_ttl
+        try:
+            while loop.time() < give_up:
+                await asyncio.sleep(RECORD_RETRY_SECONDS)
+                try:
+                    await self._complete(op, owner, state, payload)
+                except StoreUnavailable:
+                    continue
+                self.log.info("outcome_recorded_late", route=self.route.name, key=op.label)
+                return
+            self.log.critical(
+                "outcome_not_recorded",
+                route=self.route.name,
+                key=op.label,
+                note="the store stayed unreachable for lock_ttl; a retry may re-execute",
+            )
+        finally:
+            lease.cancel()

@@ -1,0 +1,62 @@
+"""structlog set-up: JSON lines on stdout, secrets redacted before rendering.
+
+One event per proxied request (``request``) carries route, key, outcome, status and
+latency. Headers are never logged whole; anything that looks like a credential is
+replaced by ``[redacted]`` by :func:`redact`, whatever event it sits in.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+REDACTED = "[redacted]"
+SECRET_WORDS = ("authorization", "cookie", "token", "secret", "password", "api_key", "apikey")
+
+
+def _is_secret(name: str) -> bool:
+    low = name.lower()
+    return any(word in low for word in SECRET_WORDS)
+
+
+def redact(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """structlog processor: blank every field (and nested field) named like a secret."""
+    return _redact(event_dict)
+
+
+def _redact(mapping: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for name, value in mapping.items():
+        if _is_secret(str(name)):
+            mapping[name] = REDACTED
+        elif isinstance(value, MutableMapping):
+            _redact(value)
+    return mapping
+
+
+def configure(level: str = "info") -> None:
+    """JSON logs on stdout at ``level``."""
+    logging.basicConfig(format="%(message)s", stream=sys.stdout, level=level.upper())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger() -> Any:
+    """The proxy's logger."""
+    return structlog.get_logger("tool_proxy")

@@ -1,0 +1,67 @@
+"""Recorded outcomes: a response (or the problem of an unknown outcome) as stored bytes.
+
+Encoding: one line of JSON metadata, a newline, then the body bytes untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from proxy.errors import ProxyError, StoreError
+from proxy.forwarding import RawHeaders
+from proxy.problems import MEDIA_TYPE, problem_body
+
+REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+# Never stored, so never replayed: another caller's session must not be set.
+_NOT_STORED = frozenset({b"set-cookie", b"content-length", b"transfer-encoding"})
+_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """Status, end-to-end headers and body of an outcome."""
+
+    status: int
+    headers: RawHeaders
+    body: bytes
+
+    @classmethod
+    def of(cls, status: int, headers: RawHeaders, body: bytes) -> StoredResponse:
+        """An upstream answer, without the headers that must never be replayed."""
+        kept = [(k, v) for k, v in headers if k.lower() not in _NOT_STORED]
+        return cls(status, kept, body)
+
+    @classmethod
+    def of_problem(cls, exc: ProxyError) -> StoredResponse:
+        """The problem document of ``exc`` as an outcome (a FAILED record)."""
+        return cls(exc.status, [(b"content-type", MEDIA_TYPE.encode())], problem_body(exc))
+
+    def encode(self) -> bytes:
+        meta = {
+            "v": _VERSION,
+            "status": self.status,
+            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in self.headers],
+        }
+        return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
+
+    @classmethod
+    def decode(cls, payload: bytes) -> StoredResponse:
+        meta_line, _, body = payload.partition(b"\n")
+        try:
+            meta = json.loads(meta_line)
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
+            return cls(int(meta["status"]), headers, body)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StoreError("a stored outcome is malformed") from exc
+
+    def to_response(self, *, replayed: bool) -> Response:
+        """A starlette response; framing (Content-Length) is recomputed."""
+        response = Response(self.body, self.status)
+        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
+        if replayed:
+            headers.append(REPLAYED_HEADER)
+        response.raw_headers = headers
+        return response

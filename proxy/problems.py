@@ -1,0 +1,43 @@
+"""RFC 9457 problem details: the one place where errors become responses."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.errors import PROBLEM_BASE, ProxyError
+
+MEDIA_TYPE = "application/problem+json"
+
+
+def problem_body(exc: ProxyError) -> bytes:
+    """The JSON document for ``exc``: type, title, status, detail."""
+    return json.dumps(
+        {"type": exc.type, "title": exc.title, "status": exc.status, "detail": exc.detail}
+    ).encode()
+
+
+def problem_response(exc: ProxyError) -> Response:
+    """A problem+json response for ``exc``, with the headers it carries (e.g. Retry-After)."""
+    return Response(problem_body(exc), exc.status, headers=exc.headers, media_type=MEDIA_TYPE)
+
+
+async def handle_proxy_error(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler for every ``ProxyError``."""
+    assert isinstance(exc, ProxyError)
+    return problem_response(exc)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """Last resort: a bug. The caller gets a problem document, never a traceback."""
+    body = json.dumps(
+        {
+            "type": PROBLEM_BASE + "internal-error",
+            "title": "Internal error",
+            "status": 500,
+            "detail": "tool-proxy hit an unexpected error; it is logged.",
+        }
+    ).encode()
+    return Response(body, 500, media_type=MEDIA_TYPE)

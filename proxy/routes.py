@@ -1,0 +1,57 @@
+"""Route matching: the longest ``path_prefix`` wins; only safe origin-form paths pass.
+
+Only configured routes are forwarded, so tool-proxy is never an open proxy:
+absolute-form targets, dot segments and encoded slashes are rejected before matching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from proxy.config import RouteConfig
+from proxy.errors import InvalidPath, RouteNotFound
+
+# Set in the ASGI scope's extensions by ``server.ProxyHttpProtocol`` for a request
+# whose target is not origin-form (``GET http://elsewhere/ HTTP/1.1``).
+ABSOLUTE_FORM = "tool_proxy.absolute_form"
+
+_ENCODED_SEPARATORS = (b"%2f", b"%2F", b"%5c", b"%5C", b"\\")
+
+
+def check_path(path: str, raw_path: bytes) -> None:
+    """Raise ``InvalidPath`` for paths that could escape a route's prefix."""
+    if not path.startswith("/"):
+        raise InvalidPath("the request target must be an absolute path (origin-form)")
+    if any(sep in raw_path for sep in _ENCODED_SEPARATORS):
+        raise InvalidPath("encoded '/' or '\\' are not allowed in the path")
+    if "\x00" in path or any(seg in (".", "..") for seg in path.split("/")):
+        raise InvalidPath("dot segments ('.', '..') and NUL are not allowed in the path")
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "/" or path == prefix or path.startswith(prefix + "/")
+
+
+class Router:
+    """Routes sorted by prefix length, longest first."""
+
+    def __init__(self, routes: Iterable[RouteConfig]) -> None:
+        self.routes = sorted(routes, key=lambda r: len(r.path_prefix), reverse=True)
+
+    def match(self, path: str) -> RouteConfig:
+        """The route for ``path`` or ``RouteNotFound``."""
+        for route in self.routes:
+            if _under(path, route.path_prefix):
+                return route
+        raise RouteNotFound(f"no route serves {path}")
+
+
+def upstream_url(route: RouteConfig, raw_path: bytes, query: bytes) -> str:
+    """The URL to forward to: the upstream base, the (maybe stripped) path and the query."""
+    path = raw_path.decode("latin-1")
+    if route.strip_prefix and route.path_prefix != "/":
+        if not _under(path, route.path_prefix):
+            raise InvalidPath("the route prefix must not be percent-encoded in the path")
+        path = path[len(route.path_prefix) :] or "/"
+    url = route.upstream + path
+    return f"{url}?{query.decode('latin-1')}" if query else url

@@ -1,0 +1,25 @@
+"""Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis."""
+
+from __future__ import annotations
+
+from proxy.store.base import Claim, Record, RecordKey, State, Store
+
+__all__ = ["Claim", "Record", "RecordKey", "State", "Store", "make_store"]
+
+
+def make_store(url: str) -> Store:
+    """The store a URL names (not yet opened: call ``await store.open()``)."""
+    scheme = url.split("://", 1)[0]
+    if scheme == "memory":
+        from proxy.store.memory import MemoryStore
+
+        return MemoryStore()
+    if scheme == "sqlite":
+        from proxy.store.sqlite import SQLiteStore
+
+        return SQLiteStore(url)
+    if scheme in ("redis", "rediss"):
+        from proxy.store.redis import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(f"unknown store URL scheme: {scheme!r}")

@@ -1,0 +1,212 @@
+"""``sqlite:///path``: the embedded default store.
+
+Durable across restarts and safe for several worker processes on one host: every
+state change is one ``BEGIN IMMEDIATE`` transaction in WAL mode, so writers are
+serialized by SQLite's own lock. Calls run on one dedicated thread per process so the
+event loop never blocks on the database lock. Expiry uses the wall clock (shared by
+the processes); expired rows are invisible at once and deleted by ``sweep``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+from proxy.errors import StoreUnavailable
+from proxy.store.base import Claim, Record, RecordKey, State
+
+T = TypeVar("T")
+
+# How long a writer waits for another process's transaction before giving up.
+BUSY_TIMEOUT_SECONDS = 5.0
+_SYNCHRONOUS = ("full", "normal", "extra")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    slot TEXT NOT NULL, name TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL,
+    owner TEXT NOT NULL, expires_at REAL NOT NULL, payload BLOB NOT NULL DEFAULT x'',
+    PRIMARY KEY (slot, name)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS records_expiry ON records (expires_at);
+CREATE TABLE IF NOT EXISTS slots (
+    slot TEXT PRIMARY KEY, name TEXT NOT NULL, expires_at REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def parse_sqlite_url(url: str) -> tuple[str, str]:
+    """``sqlite:///abs/path.db`` or ``sqlite://relative.db``, optional ``?synchronous=normal``."""
+    rest = url.removeprefix("sqlite://")
+    path, _, query = rest.partition("?")
+    synchronous = parse_qs(query).get("synchronous", ["full"])[-1].lower()
+    if synchronous not in _SYNCHRONOUS:
+        raise StoreUnavailable(f"sqlite synchronous must be one of {', '.join(_SYNCHRONOUS)}")
+    return path, synchronous
+
+
+class SQLiteStore:
+    """One SQLite connection on one thread, shared-file safe across processes."""
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
+        self.path, self._synchronous = parse_sqlite_url(url)
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tool-proxy-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, fn, *args)
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"sqlite store {self.path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreUnavailable(f"sqlite store {self.path}: {exc.strerror}") from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_SECONDS, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self._synchronous}")
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
+
+    def _transaction(self, fn: Callable[..., T], *args: Any) -> T:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(db, self._clock(), *args)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return result
+
+    async def open(self) -> None:
+        """Create the file and schema now, so a bad path fails at start-up."""
+        await self._run(self._conn)
+
+    async def claim(
+        self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float
+    ) -> Claim:
+        return await self._run(
+            self._transaction, _claim, key, fingerprint, owner, lock_ttl, result_ttl
+        )
+
+    async def renew(self, key: RecordKey, owner: str, lock_ttl: float) -> bool:
+        return await self._run(self._transaction, _renew, key, owner, lock_ttl)
+
+    async def complete(
+        self, key: RecordKey, owner: str, state: State, payload: bytes, result_ttl: float
+    ) -> bool:
+        return await self._run(self._transaction, _complete, key, owner, state, payload, result_ttl)
+
+    async def release(self, key: RecordKey, owner: str) -> bool:
+        return await self._run(self._transaction, _release, key, owner)
+
+    async def get(self, key: RecordKey) -> Record | None:
+        return await self._run(lambda: _select(self._conn(), self._clock(), key))
+
+    async def sweep(self) -> int:
+        """Delete expired records and slot pointers; return how many records."""
+        return await self._run(self._transaction, _sweep)
+
+    async def ping(self) -> None:
+        await self._run(lambda: self._conn().execute("SELECT 1").fetchone())
+
+    async def close(self) -> None:
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await self._run(_close)
+        self._executor.shutdown(wait=True)
+
+
+def _select(db: sqlite3.Connection, now: float, key: RecordKey) -> Record | None:
+    row = db.execute(
+        "SELECT state, fingerprint, owner, expires_at, payload FROM records"
+        " WHERE slot = ? AND name = ? AND expires_at > ?",
+        (key.slot, key.name, now),
+    ).fetchone()
+    if row is None:
+        return None
+    state, fp, owner, expires_at, payload = row
+    return Record(State(state), fp, owner, expires_at - now, bytes(payload))
+
+
+def _claim(
+    db: sqlite3.Connection,
+    now: float,
+    key: RecordKey,
+    fingerprint: str,
+    owner: str,
+    lock_ttl: float,
+    result_ttl: float,
+) -> Claim:
+    existing = _select(db, now, key)
+    if existing is not None and existing.owner != owner:
+        return Claim(existing)
+    db.execute(
+        "INSERT OR REPLACE INTO records (slot, name, state, fingerprint, owner, expires_at)"
+        " VALUES (?, ?, 'in_progress', ?, ?, ?)",
+        (key.slot, key.name, fingerprint, owner, now + lock_ttl),
+    )
+    last = db.execute(
+        "SELECT name FROM slots WHERE slot = ? AND expires_at > ?", (key.slot, now)
+    ).fetchone()
+    db.execute(
+        "INSERT OR REPLACE INTO slots (slot, name, expires_at) VALUES (?, ?, ?)",
+        (key.slot, key.name, now + result_ttl),
+    )
+    previous = last[0] if last is not None and last[0] != key.name else None
+    return Claim(None, previous)
+
+
+def _renew(db: sqlite3.Connection, now: float, key: RecordKey, owner: str, lock_ttl: float) -> bool:
+    cursor = db.execute(
+        "UPDATE records SET expires_at = ? WHERE slot = ? AND name = ? AND owner = ?"
+        " AND state = 'in_progress' AND expires_at > ?",
+        (now + lock_ttl, key.slot, key.name, owner, now),
+    )
+    return cursor.rowcount == 1
+
+
+def _release(db: sqlite3.Connection, now: float, key: RecordKey, owner: str) -> bool:
+    cursor = db.execute(
+        "DELETE FROM records WHERE slot = ? AND name = ? AND owner = ?"
+        " AND state = 'in_progress' AND expires_at > ?",
+        (key.slot, key.name, owner, now),
+    )
+    return cursor.rowcount == 1
+
+
+def _complete(
+    db: sqlite3.Connection,
+    now: float,
+    key: RecordKey,
+    owner: str,
+    state: State,
+    payload: bytes,
+    result_ttl: float,
+) -> bool:
+    cursor = db.execute(
+        "UPDATE records SET state = ?, payload = ?, expires_at = ?"
+        " WHERE slot = ? AND name = ? AND owner = ? AND expires_at > ?",
+        (state.value, payload, now + result_ttl, key.slot, key.name, owner, now),
+    )
+    return cursor.rowcount == 1
+
+
+def _sweep(db: sqlite3.Connection, now: float) -> int:
+    count = db.execute("DELETE FROM records WHERE expires_at <= ?", (now,)).rowcount
+    db.execute("DELETE FROM slots WHERE expires_at <= ?", (now,))
+    return count
