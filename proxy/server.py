@@ -42,4 +42,5 @@ def serve(config_path: str, host: str, port: int, workers: int, log_level: str) 
         server_header=False,
         date_header=False,
         lifespan="on",
+        proxy_headers=False,  # the peer address is the client: X-Forwarded-For is appended to
     )

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.app import create_app
+from proxy.config import parse_config
+from proxy.keys import composite_key
+from tests.servers import CountingTool, RedisServer, ThreadServer
+
+ProxyFactory = Callable[..., ThreadServer]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture
+def tool() -> Iterator[CountingTool]:
+    counting = CountingTool()
+    server = ThreadServer(counting.app).start()
+    counting.url = server.url
+    yield counting
+    server.stop()
+
+
+def route(upstream: str, *, name: str = "tool", prefix: str = "/tools", guarded: bool = True,
+          **idempotency: Any) -> dict[str, Any]:
+    """A route for a config dict; ``idempotency`` keys override the defaults."""
+    spec: dict[str, Any] = {"name": name, "path_prefix": prefix, "upstream": upstream,
+                            "timeout": idempotency.pop("timeout", "10s")}
+    if "strip_prefix" in idempotency:
+        spec["strip_prefix"] = idempotency.pop("strip_prefix")
+    if guarded:
+        spec["idempotency"] = {"lock_ttl": "5s", "result_ttl": "1h", "retry_after": "1s",
+                               **idempotency}
+    return spec
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/state.db"
+    redis: RedisServer = request.getfixturevalue("redis_server")
+    redis.flush()
+    return redis.url
+
+
+@pytest.fixture
+def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
+    """Start tool-proxy (uvicorn on a thread) for a list of routes and a store URL."""
+    started: list[ThreadServer] = []
+
+    def make(*routes: dict[str, Any], store: str = "memory://", port: int | None = None,
+             **top: Any) -> ThreadServer:
+        config = parse_config({"store": {"url": store}, "routes": list(routes), **top}, env={})
+        server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        if server.thread.is_alive():
+            server.stop()
+
+
+def new_key(body: Any, step: int = 1, plan: str | None = None) -> str:
+    return composite_key(plan or f"plan-{uuid.uuid4().hex[:12]}", step, body)

@@ -1,0 +1,256 @@
+"""Real servers for the tests: uvicorn on a thread, redis-server and tool-proxy as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+import yaml
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from proxy.server import ProxyHttpProtocol
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Any, seconds: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (OSError, httpx.HTTPError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class ThreadServer:
+    """An ASGI app served by uvicorn on a background thread (its own event loop)."""
+
+    def __init__(self, app: ASGIApp, port: int | None = None, proxy_protocol: bool = False) -> None:
+        self.port = port or free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            http=ProxyHttpProtocol if proxy_protocol else "httptools",
+            timeout_graceful_shutdown=10,
+            proxy_headers=False,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ThreadServer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, what="uvicorn to start")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+class CountingTool:
+    """An upstream that counts how often each request was executed.
+
+    Query parameters shape the answer: ``delay`` (seconds), ``status``, ``size`` (a
+    streamed body of that many bytes), ``cookie`` (adds Set-Cookie).
+    """
+
+    def __init__(self) -> None:
+        self.url = ""
+        self.executions: Counter[str] = Counter()
+        self.requests: list[dict[str, Any]] = []
+        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"])])
+
+    def count(self, key: str) -> int:
+        return self.executions[key]
+
+    @property
+    def total(self) -> int:
+        return sum(self.executions.values())
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.body()
+        query = request.query_params
+        await asyncio.sleep(float(query.get("delay", 0)))
+        key = request.headers.get("idempotency-key") or request.url.path
+        self.executions[key] += 1
+        self.requests.append(
+            {"method": request.method, "path": request.url.path, "query": request.url.query,
+             "headers": dict(request.headers), "body": body}
+        )
+        status = int(query.get("status", 200))
+        headers = {"X-Tool": "counting"}
+        if "cookie" in query:
+            headers["Set-Cookie"] = "session=secret-session; Path=/"
+        if "size" in query:
+            size = int(query["size"])
+            return StreamingResponse(_chunks(size), status, headers=headers,
+                                     media_type="application/octet-stream")
+        payload = {"execution": self.executions[key], "path": request.url.path,
+                   "body": body.decode("utf-8", "replace")}
+        return Response(json.dumps(payload), status, headers=headers, media_type="application/json")
+
+
+async def _chunks(size: int) -> Any:
+    block = bytes(range(256)) * 256
+    sent = 0
+    while sent < size:
+        piece = block[: min(len(block), size - sent)]
+        sent += len(piece)
+        yield piece
+
+
+class BreakingTool:
+    """A raw TCP upstream that reads the request, counts it, then closes without answering."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.received = 0
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", self.port))
+        self._sock.listen(16)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = conn.recv(65536)
+                if data:
+                    self.received += 1
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class RedisServer:
+    """A real redis-server on a free port, without persistence."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (.ci/run installs it)"
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(self.ping, what="redis-server")
+        return self
+
+    def ping(self) -> bool:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+
+    def flush(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+            sock.sendall(b"FLUSHALL\r\n")
+            assert sock.recv(16).startswith(b"+OK")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+
+class ProxyProcess:
+    """``tool-proxy serve`` as a real process; its JSON log lines are kept."""
+
+    def __init__(self, config: dict[str, Any], tmp: Path, workers: int = 1) -> None:
+        self.port = free_port()
+        self.config_path = tmp / f"proxy-{self.port}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = tmp / f"proxy-{self.port}.log"
+        self.workers = workers
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path),
+                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )
+        wait_for(lambda: httpx.get(f"{self.url}/_proxy/healthz").status_code == 200,
+                 seconds=20, what=f"proxy on {self.port}; log: {self.log_path}")
+        return self
+
+    def stop(self) -> int:
+        assert self.process is not None
+        self.process.terminate()
+        code = self.process.wait(30)
+        self.process = None
+        return code
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = self.log_path.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.startswith("{")]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+
+@contextmanager
+def running(server: ThreadServer) -> Iterator[ThreadServer]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,402 @@
+"""End to end: a real upstream, tool-proxy on uvicorn, real stores."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import ProxyFactory, new_key, route
+from tests.servers import BreakingTool, CountingTool, free_port, wait_for
+
+BODY = {"account": "acme", "amount": 42}
+
+
+def post(url: str, body: object = BODY, key: str | None = None, **kwargs: object) -> httpx.Response:
+    headers = {"Idempotency-Key": key} if key else {}
+    headers.update(kwargs.pop("headers", {}))  # type: ignore[arg-type]
+    return httpx.post(url, json=body, headers=headers, timeout=30, **kwargs)  # type: ignore[arg-type]
+
+
+def problem_type(response: httpx.Response) -> str:
+    assert response.headers["content-type"] == "application/problem+json"
+    document = response.json()
+    assert document["status"] == response.status_code
+    assert document["title"] and document["detail"]
+    return str(document["type"]).rsplit(":", 1)[-1]
+
+
+def test_first_call_executes_and_retry_replays(
+    tool: CountingTool, make_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = make_proxy(route(tool.url), store=store_url)
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/charge", key=key)
+    second = post(f"{proxy.url}/tools/charge", key=key)
+    assert first.status_code == second.status_code == 200
+    assert "idempotent-replayed" not in first.headers
+    assert second.headers["idempotent-replayed"] == "true"
+    assert second.content == first.content
+    assert second.headers["x-tool"] == "counting"
+    assert tool.count(key) == 1
+
+
+def test_key_order_and_whitespace_do_not_matter(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    key = new_key({"b": 2, "a": [1, 2]})
+    spaced = b'{ "a" : [1, 2],\n "b": 2 }'
+    response = httpx.post(f"{proxy.url}/tools/x", content=spaced,
+                          headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+    assert response.status_code == 200
+    replay = post(f"{proxy.url}/tools/x", {"a": [1, 2], "b": 2}, key)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+
+
+def test_duplicate_in_flight_gets_409_with_retry_after(
+    tool: CountingTool, make_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = make_proxy(route(tool.url, retry_after="3s"), store=store_url)
+    key = new_key(BODY)
+    with httpx.Client(timeout=30) as client:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, f"{proxy.url}/tools/slow?delay=1", json=BODY,
+                                headers={"Idempotency-Key": key})
+            wait_for(lambda: tool.total == 0 and len(tool.requests) == 0, what="start")
+            time.sleep(0.3)
+            duplicate = client.post(f"{proxy.url}/tools/slow?delay=1", json=BODY,
+                                    headers={"Idempotency-Key": key})
+            assert duplicate.status_code == 409
+            assert problem_type(duplicate) == "request-in-progress"
+            assert duplicate.headers["retry-after"] == "3"
+            assert first.result().status_code == 200
+    assert tool.count(key) == 1
+
+
+def test_conflict_wait_turns_a_duplicate_into_a_replay(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(route(tool.url, conflict_wait="5s"))
+    key = new_key(BODY)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, f"{proxy.url}/tools/slow?delay=0.8", BODY, key)
+        time.sleep(0.3)
+        duplicate = post(f"{proxy.url}/tools/slow?delay=0.8", BODY, key)
+        assert first.result().status_code == 200
+    assert duplicate.status_code == 200
+    assert duplicate.headers["idempotent-replayed"] == "true"
+    assert duplicate.content == first.result().content
+    assert tool.count(key) == 1
+
+
+def test_statuses_are_recorded_and_replayed(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    for status in (201, 302, 400, 404, 500):
+        key = new_key(BODY, step=status)
+        url = f"{proxy.url}/tools/x?status={status}"
+        first = httpx.post(url, json=BODY, headers={"Idempotency-Key": key})
+        again = httpx.post(url, json=BODY, headers={"Idempotency-Key": key})
+        assert first.status_code == again.status_code == status
+        assert again.headers["idempotent-replayed"] == "true"
+        assert tool.count(key) == 1
+
+
+def test_release_on_status_lets_the_retry_execute(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/x?status=503", key=key)
+    second = post(f"{proxy.url}/tools/x?status=503", key=key)
+    assert first.status_code == second.status_code == 503
+    assert "idempotent-replayed" not in second.headers
+    assert tool.count(key) == 2
+
+
+def test_unreachable_upstream_releases_the_key(make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(f"http://127.0.0.1:{free_port()}"))
+    key = new_key(BODY)
+    for _ in range(2):
+        response = post(f"{proxy.url}/tools/x", key=key)
+        assert response.status_code == 502
+        assert problem_type(response) == "upstream-unreachable"
+        assert "idempotent-replayed" not in response.headers
+
+
+def test_timeout_records_failure_and_never_reexecutes(
+    tool: CountingTool, make_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = make_proxy(route(tool.url, timeout="0.4s"), store=store_url)
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/x?delay=1", key=key)
+    assert first.status_code == 504
+    assert problem_type(first) == "outcome-unknown"
+    time.sleep(0.8)  # the tool finishes its (single) execution
+    retry = post(f"{proxy.url}/tools/x?delay=1", key=key)
+    assert retry.status_code == 504
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert problem_type(retry) == "outcome-unknown"
+    assert tool.count(key) == 1
+
+
+def test_broken_connection_records_failure(make_proxy: ProxyFactory) -> None:
+    breaking = BreakingTool()
+    try:
+        proxy = make_proxy(route(breaking.url))
+        key = new_key(BODY)
+        first = post(f"{proxy.url}/tools/x", key=key)
+        retry = post(f"{proxy.url}/tools/x", key=key)
+    finally:
+        breaking.close()
+    assert first.status_code == retry.status_code == 502
+    assert problem_type(first) == "outcome-unknown"
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert breaking.received == 1
+
+
+def test_caller_disconnect_does_not_cancel_the_call(
+    tool: CountingTool, make_proxy: ProxyFactory, store_url: str
+) -> None:
+    proxy = make_proxy(route(tool.url), store=store_url)
+    key = new_key(BODY)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{proxy.url}/tools/x?delay=1", json=BODY, headers={"Idempotency-Key": key},
+                   timeout=0.3)
+    wait_for(lambda: tool.count(key) == 1, what="the upstream call to finish")
+    time.sleep(0.2)
+    retry = post(f"{proxy.url}/tools/x?delay=1", key=key)
+    assert retry.status_code == 200
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json()["execution"] == 1
+    assert tool.count(key) == 1
+
+
+def test_lease_is_renewed_while_the_upstream_works(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, lock_ttl="0.5s"))
+    key = new_key(BODY)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(post, f"{proxy.url}/tools/x?delay=1.5", BODY, key)
+        time.sleep(1.0)  # two lease lengths later: only renewal keeps the key locked
+        duplicate = post(f"{proxy.url}/tools/x?delay=1.5", BODY, key)
+        assert duplicate.status_code == 409
+        assert first.result().status_code == 200
+    assert tool.count(key) == 1
+
+
+def test_replanned_step_executes_again(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    plan = f"plan-{uuid.uuid4().hex[:8]}"
+    one = post(f"{proxy.url}/tools/x", {"n": 1}, new_key({"n": 1}, plan=plan))
+    two = post(f"{proxy.url}/tools/x", {"n": 2}, new_key({"n": 2}, plan=plan))
+    assert one.status_code == two.status_code == 200
+    assert "idempotent-replayed" not in two.headers
+    assert tool.total == 2
+
+
+def test_records_are_scoped_by_route(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, name="a", prefix="/a"), route(tool.url, name="b", prefix="/b"))
+    key = new_key(BODY)
+    a = post(f"{proxy.url}/a/x", key=key)
+    b = post(f"{proxy.url}/b/x", key=key)
+    assert "idempotent-replayed" not in b.headers
+    assert a.json()["path"] == "/a/x" and b.json()["path"] == "/b/x"
+
+
+def test_opaque_keys_fingerprint_the_body(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, key="opaque"))
+    key = f'"order-{uuid.uuid4().hex}"'
+    first = post(f"{proxy.url}/tools/x", {"a": 1, "b": 2}, key)
+    again = post(f"{proxy.url}/tools/x", {"b": 2, "a": 1}, key)
+    other = post(f"{proxy.url}/tools/x", {"a": 1, "b": 3}, key)
+    assert first.status_code == again.status_code == 200
+    assert again.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422
+    assert problem_type(other) == "idempotency-key-reused"
+    assert tool.total == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "status", "kind"),
+    [
+        (None, 400, "idempotency-key-missing"),
+        ("not-a-key", 400, "idempotency-key-invalid"),
+        ("p:1:" + "0" * 63, 400, "idempotency-key-invalid"),
+        ("p" * 129 + ":1:" + "0" * 64, 400, "idempotency-key-invalid"),
+        ("p:1:" + "0" * 64, 422, "args-hash-mismatch"),
+    ],
+)
+def test_bad_keys_are_refused(
+    tool: CountingTool, make_proxy: ProxyFactory, key: str | None, status: int, kind: str
+) -> None:
+    proxy = make_proxy(route(tool.url))
+    response = post(f"{proxy.url}/tools/x", key=key)
+    assert response.status_code == status
+    assert problem_type(response) == kind
+    assert tool.total == 0
+
+
+def test_json_content_type_with_invalid_body_is_400(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    response = httpx.post(f"{proxy.url}/tools/x", content=b"{nope",
+                          headers={"Idempotency-Key": new_key(BODY),
+                                   "Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert problem_type(response) == "invalid-json-body"
+
+
+def test_raw_and_empty_bodies_are_hashed_as_bytes(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    import hashlib
+
+    proxy = make_proxy(route(tool.url))
+    raw = b"plain text, not json"
+    key = f"p-{uuid.uuid4().hex[:6]}:1:{hashlib.sha256(raw).hexdigest()}"
+    text = httpx.post(f"{proxy.url}/tools/x", content=raw,
+                      headers={"Idempotency-Key": key, "Content-Type": "text/plain"})
+    empty_key = f"p-{uuid.uuid4().hex[:6]}:1:{hashlib.sha256(b'').hexdigest()}"
+    empty = httpx.post(f"{proxy.url}/tools/x", headers={"Idempotency-Key": empty_key})
+    assert text.status_code == empty.status_code == 200
+    assert tool.total == 2
+
+
+def test_optional_key_passes_unguarded(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, required=False))
+    for _ in range(2):
+        assert post(f"{proxy.url}/tools/x").status_code == 200
+    assert tool.total == 2
+
+
+def test_unguarded_methods_pass_through(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, methods=["POST"]))
+    assert httpx.put(f"{proxy.url}/tools/x", json=BODY).status_code == 200
+    assert httpx.get(f"{proxy.url}/tools/x").status_code == 200
+    assert tool.total == 2
+
+
+def test_body_over_the_limit_is_413_and_not_forwarded(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url), route(tool.url, name="plain", prefix="/plain", guarded=False),
+                       limits={"max_body_bytes": 1000})
+    big = {"blob": "x" * 2000}
+    guarded = post(f"{proxy.url}/tools/x", big, new_key(big))
+    plain = httpx.post(f"{proxy.url}/plain/x", content=b"y" * 100_000)
+
+    def chunks() -> object:
+        yield b"z" * 800
+        yield b"z" * 800
+
+    streamed = httpx.post(f"{proxy.url}/plain/x", content=chunks())  # type: ignore[arg-type]
+    for response in (guarded, plain, streamed):
+        assert response.status_code == 413
+        assert problem_type(response) == "request-too-large"
+    assert tool.total == 0
+
+
+def test_unknown_path_is_404(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    response = httpx.get(f"{proxy.url}/elsewhere")
+    assert response.status_code == 404
+    assert problem_type(response) == "route-not-found"
+
+
+def raw_request(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/tools/../admin", b"/tools/%2e%2e/admin", b"/tools/a%2Fb", b"/tools/a%5cb",
+     b"http://evil.example/tools/x", b"/tools/./x"],
+)
+def test_targets_that_could_escape_are_400(
+    tool: CountingTool, make_proxy: ProxyFactory, target: bytes
+) -> None:
+    proxy = make_proxy(route(tool.url, guarded=False))
+    head = raw_request(proxy.port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert b"invalid-path" in head or b"application/problem+json" in head
+    assert tool.total == 0
+
+
+def test_forwarding_is_transparent(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url, guarded=False, prefix="/svc", strip_prefix=True))
+    response = httpx.post(
+        f"{proxy.url}/svc/deep/path?q=1&r=a%20b",
+        content=b"payload",
+        headers={"Connection": "keep-alive, X-Hop", "X-Hop": "drop me", "Keep-Alive": "5",
+                 "X-End": "keep me", "Idempotency-Key": "k1", "X-Forwarded-For": "10.0.0.1",
+                 "Authorization": "Bearer abc"},
+    )
+    assert response.status_code == 200
+    seen = tool.requests[-1]
+    assert seen["path"] == "/deep/path" and seen["query"] == "q=1&r=a%20b"
+    assert seen["body"] == b"payload"
+    headers = seen["headers"]
+    assert "x-hop" not in headers and "keep-alive" not in headers
+    assert headers["x-end"] == "keep me"
+    assert headers["idempotency-key"] == "k1"
+    assert headers["authorization"] == "Bearer abc"
+    assert headers["x-forwarded-for"] == "10.0.0.1, 127.0.0.1"
+    assert headers["x-forwarded-proto"] == "http"
+    assert headers["x-forwarded-host"] == f"127.0.0.1:{proxy.port}"
+    assert headers["host"] == tool.url.removeprefix("http://")
+
+
+def test_longest_prefix_wins(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(
+        route(tool.url, name="root", prefix="/", guarded=False),
+        route(tool.url, name="deep", prefix="/tools/deep", guarded=True),
+    )
+    assert httpx.post(f"{proxy.url}/tools/other", json=BODY).status_code == 200
+    assert httpx.post(f"{proxy.url}/tools/deep/x", json=BODY).status_code == 400  # key required
+    assert httpx.post(f"{proxy.url}/tools/deeper", json=BODY).status_code == 200
+
+
+def test_set_cookie_is_never_replayed(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/x?cookie=1", key=key)
+    replay = post(f"{proxy.url}/tools/x?cookie=1", key=key)
+    assert "set-cookie" in first.headers
+    assert "set-cookie" not in replay.headers
+    assert replay.headers["content-length"] == str(len(first.content))
+
+
+def test_large_responses_stream_through_and_replay(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url), route(tool.url, name="plain", prefix="/plain", guarded=False))
+    size = 3 * 1024 * 1024 + 17
+    expected = (bytes(range(256)) * 256 * 49)[:size]
+    plain = httpx.get(f"{proxy.url}/plain/big?size={size}")
+    assert plain.content == expected
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/big?size={size}", key=key)
+    replay = post(f"{proxy.url}/tools/big?size={size}", key=key)
+    assert first.content == replay.content == expected
+    assert replay.headers["idempotent-replayed"] == "true"
+
+
+def test_health_and_readiness(make_proxy: ProxyFactory, tool: CountingTool, store_url: str) -> None:
+    proxy = make_proxy(route(tool.url), store=store_url)
+    assert httpx.get(f"{proxy.url}/_proxy/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{proxy.url}/_proxy/readyz").status_code == 200
+
+
+def test_problem_documents_are_json(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    proxy = make_proxy(route(tool.url))
+    response = httpx.post(f"{proxy.url}/tools/x", json=BODY)
+    document = json.loads(response.content)
+    assert set(document) == {"type", "title", "status", "detail"}
