@@ -29,6 +29,8 @@ talks to the foreign library, with ``raise ... from exc``.
 from __future__ import annotations
 
 PROBLEM_BASE = "urn:tool-proxy:problem:"
+# Retry-After (seconds) on a 503 while the store is unreachable.
+STORE_RETRY_AFTER = "1"
 
 
 class ProxyError(Exception):
@@ -169,6 +171,9 @@ class StoreUnavailable(ProxyError):
     status = 503
     slug = "store-unavailable"
     title = "Idempotency store unavailable"
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail, headers={"Retry-After": STORE_RETRY_AFTER, **(headers or {})})
 
 
 class StoreError(ProxyError):

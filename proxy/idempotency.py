@@ -226,7 +226,10 @@ class Guard:
         lease.cancel()
 
     async def _complete(self, op: Operation, owner: str, state: State, payload: bytes) -> None:
-        if not await self.store.complete(op.key, owner, state, payload, self.policy.result_ttl):
+        done = await self.store.complete(
+            op.key, owner, op.fingerprint, state, payload, self.policy.result_ttl
+        )
+        if not done:
             self.log.error(
                 "lease_lost_before_recording",
                 route=self.route.name,

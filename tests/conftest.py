@@ -37,16 +37,30 @@ def tool() -> Iterator[CountingTool]:
     server.stop()
 
 
-def route(upstream: str, *, name: str = "tool", prefix: str = "/tools", guarded: bool = True,
-          **idempotency: Any) -> dict[str, Any]:
+def route(
+    upstream: str,
+    *,
+    name: str = "tool",
+    prefix: str = "/tools",
+    guarded: bool = True,
+    **idempotency: Any,
+) -> dict[str, Any]:
     """A route for a config dict; ``idempotency`` keys override the defaults."""
-    spec: dict[str, Any] = {"name": name, "path_prefix": prefix, "upstream": upstream,
-                            "timeout": idempotency.pop("timeout", "10s")}
+    spec: dict[str, Any] = {
+        "name": name,
+        "path_prefix": prefix,
+        "upstream": upstream,
+        "timeout": idempotency.pop("timeout", "10s"),
+    }
     if "strip_prefix" in idempotency:
         spec["strip_prefix"] = idempotency.pop("strip_prefix")
     if guarded:
-        spec["idempotency"] = {"lock_ttl": "5s", "result_ttl": "1h", "retry_after": "1s",
-                               **idempotency}
+        spec["idempotency"] = {
+            "lock_ttl": "5s",
+            "result_ttl": "1h",
+            "retry_after": "1s",
+            **idempotency,
+        }
     return spec
 
 
@@ -66,8 +80,9 @@ def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
     """Start tool-proxy (uvicorn on a thread) for a list of routes and a store URL."""
     started: list[ThreadServer] = []
 
-    def make(*routes: dict[str, Any], store: str = "memory://", port: int | None = None,
-             **top: Any) -> ThreadServer:
+    def make(
+        *routes: dict[str, Any], store: str = "memory://", port: int | None = None, **top: Any
+    ) -> ThreadServer:
         config = parse_config({"store": {"url": store}, "routes": list(routes), **top}, env={})
         server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
         started.append(server)

@@ -93,7 +93,15 @@ class CountingTool:
         self.url = ""
         self.executions: Counter[str] = Counter()
         self.requests: list[dict[str, Any]] = []
-        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"])])
+        self.app = Starlette(
+            routes=[
+                Route(
+                    "/{path:path}",
+                    self.handle,
+                    methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"],
+                )
+            ]
+        )
 
     def count(self, key: str) -> int:
         return self.executions[key]
@@ -109,8 +117,13 @@ class CountingTool:
         key = request.headers.get("idempotency-key") or request.url.path
         self.executions[key] += 1
         self.requests.append(
-            {"method": request.method, "path": request.url.path, "query": request.url.query,
-             "headers": dict(request.headers), "body": body}
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": request.url.query,
+                "headers": dict(request.headers),
+                "body": body,
+            }
         )
         status = int(query.get("status", 200))
         headers = {"X-Tool": "counting"}
@@ -118,10 +131,14 @@ class CountingTool:
             headers["Set-Cookie"] = "session=secret-session; Path=/"
         if "size" in query:
             size = int(query["size"])
-            return StreamingResponse(_chunks(size), status, headers=headers,
-                                     media_type="application/octet-stream")
-        payload = {"execution": self.executions[key], "path": request.url.path,
-                   "body": body.decode("utf-8", "replace")}
+            return StreamingResponse(
+                _chunks(size), status, headers=headers, media_type="application/octet-stream"
+            )
+        payload = {
+            "execution": self.executions[key],
+            "path": request.url.path,
+            "body": body.decode("utf-8", "replace"),
+        }
         return Response(json.dumps(payload), status, headers=headers, media_type="application/json")
 
 
@@ -181,9 +198,21 @@ class RedisServer:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is not installed (.ci/run installs it)"
         self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_for(self.ping, what="redis-server")
         return self
@@ -224,12 +253,30 @@ class ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--workers", str(self.workers)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                [
+                    sys.executable,
+                    "-m",
+                    "proxy.cli",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--workers",
+                    str(self.workers),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
             )
-        wait_for(lambda: httpx.get(f"{self.url}/_proxy/healthz").status_code == 200,
-                 seconds=20, what=f"proxy on {self.port}; log: {self.log_path}")
+        wait_for(
+            lambda: httpx.get(f"{self.url}/_proxy/healthz").status_code == 200,
+            seconds=20,
+            what=f"proxy on {self.port}; log: {self.log_path}",
+        )
         return self
 
     def stop(self) -> int:

@@ -45,12 +45,17 @@ def test_first_call_executes_and_retry_replays(
     assert tool.count(key) == 1
 
 
-def test_key_order_and_whitespace_do_not_matter(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+def test_key_order_and_whitespace_do_not_matter(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
     proxy = make_proxy(route(tool.url))
     key = new_key({"b": 2, "a": [1, 2]})
     spaced = b'{ "a" : [1, 2],\n "b": 2 }'
-    response = httpx.post(f"{proxy.url}/tools/x", content=spaced,
-                          headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{proxy.url}/tools/x",
+        content=spaced,
+        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
+    )
     assert response.status_code == 200
     replay = post(f"{proxy.url}/tools/x", {"a": [1, 2], "b": 2}, key)
     assert replay.headers["idempotent-replayed"] == "true"
@@ -66,12 +71,17 @@ def test_duplicate_in_flight_gets_409_with_retry_after(
         import concurrent.futures
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(client.post, f"{proxy.url}/tools/slow?delay=1", json=BODY,
-                                headers={"Idempotency-Key": key})
+            first = pool.submit(
+                client.post,
+                f"{proxy.url}/tools/slow?delay=1",
+                json=BODY,
+                headers={"Idempotency-Key": key},
+            )
             wait_for(lambda: tool.total == 0 and len(tool.requests) == 0, what="start")
             time.sleep(0.3)
-            duplicate = client.post(f"{proxy.url}/tools/slow?delay=1", json=BODY,
-                                    headers={"Idempotency-Key": key})
+            duplicate = client.post(
+                f"{proxy.url}/tools/slow?delay=1", json=BODY, headers={"Idempotency-Key": key}
+            )
             assert duplicate.status_code == 409
             assert problem_type(duplicate) == "request-in-progress"
             assert duplicate.headers["retry-after"] == "3"
@@ -109,7 +119,9 @@ def test_statuses_are_recorded_and_replayed(tool: CountingTool, make_proxy: Prox
         assert tool.count(key) == 1
 
 
-def test_release_on_status_lets_the_retry_execute(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+def test_release_on_status_lets_the_retry_execute(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
     proxy = make_proxy(route(tool.url))
     key = new_key(BODY)
     first = post(f"{proxy.url}/tools/x?status=503", key=key)
@@ -166,8 +178,9 @@ def test_caller_disconnect_does_not_cancel_the_call(
     proxy = make_proxy(route(tool.url), store=store_url)
     key = new_key(BODY)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{proxy.url}/tools/x?delay=1", json=BODY, headers={"Idempotency-Key": key},
-                   timeout=0.3)
+        httpx.post(
+            f"{proxy.url}/tools/x?delay=1", json=BODY, headers={"Idempotency-Key": key}, timeout=0.3
+        )
     wait_for(lambda: tool.count(key) == 1, what="the upstream call to finish")
     time.sleep(0.2)
     retry = post(f"{proxy.url}/tools/x?delay=1", key=key)
@@ -177,7 +190,9 @@ def test_caller_disconnect_does_not_cancel_the_call(
     assert tool.count(key) == 1
 
 
-def test_lease_is_renewed_while_the_upstream_works(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+def test_lease_is_renewed_while_the_upstream_works(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
     proxy = make_proxy(route(tool.url, lock_ttl="0.5s"))
     key = new_key(BODY)
     import concurrent.futures
@@ -202,7 +217,9 @@ def test_replanned_step_executes_again(tool: CountingTool, make_proxy: ProxyFact
 
 
 def test_records_are_scoped_by_route(tool: CountingTool, make_proxy: ProxyFactory) -> None:
-    proxy = make_proxy(route(tool.url, name="a", prefix="/a"), route(tool.url, name="b", prefix="/b"))
+    proxy = make_proxy(
+        route(tool.url, name="a", prefix="/a"), route(tool.url, name="b", prefix="/b")
+    )
     key = new_key(BODY)
     a = post(f"{proxy.url}/a/x", key=key)
     b = post(f"{proxy.url}/b/x", key=key)
@@ -243,23 +260,32 @@ def test_bad_keys_are_refused(
     assert tool.total == 0
 
 
-def test_json_content_type_with_invalid_body_is_400(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+def test_json_content_type_with_invalid_body_is_400(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
     proxy = make_proxy(route(tool.url))
-    response = httpx.post(f"{proxy.url}/tools/x", content=b"{nope",
-                          headers={"Idempotency-Key": new_key(BODY),
-                                   "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{proxy.url}/tools/x",
+        content=b"{nope",
+        headers={"Idempotency-Key": new_key(BODY), "Content-Type": "application/json"},
+    )
     assert response.status_code == 400
     assert problem_type(response) == "invalid-json-body"
 
 
-def test_raw_and_empty_bodies_are_hashed_as_bytes(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+def test_raw_and_empty_bodies_are_hashed_as_bytes(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
     import hashlib
 
     proxy = make_proxy(route(tool.url))
     raw = b"plain text, not json"
     key = f"p-{uuid.uuid4().hex[:6]}:1:{hashlib.sha256(raw).hexdigest()}"
-    text = httpx.post(f"{proxy.url}/tools/x", content=raw,
-                      headers={"Idempotency-Key": key, "Content-Type": "text/plain"})
+    text = httpx.post(
+        f"{proxy.url}/tools/x",
+        content=raw,
+        headers={"Idempotency-Key": key, "Content-Type": "text/plain"},
+    )
     empty_key = f"p-{uuid.uuid4().hex[:6]}:1:{hashlib.sha256(b'').hexdigest()}"
     empty = httpx.post(f"{proxy.url}/tools/x", headers={"Idempotency-Key": empty_key})
     assert text.status_code == empty.status_code == 200
@@ -280,9 +306,14 @@ def test_unguarded_methods_pass_through(tool: CountingTool, make_proxy: ProxyFac
     assert tool.total == 2
 
 
-def test_body_over_the_limit_is_413_and_not_forwarded(tool: CountingTool, make_proxy: ProxyFactory) -> None:
-    proxy = make_proxy(route(tool.url), route(tool.url, name="plain", prefix="/plain", guarded=False),
-                       limits={"max_body_bytes": 1000})
+def test_body_over_the_limit_is_413_and_not_forwarded(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(
+        route(tool.url),
+        route(tool.url, name="plain", prefix="/plain", guarded=False),
+        limits={"max_body_bytes": 1000},
+    )
     big = {"blob": "x" * 2000}
     guarded = post(f"{proxy.url}/tools/x", big, new_key(big))
     plain = httpx.post(f"{proxy.url}/plain/x", content=b"y" * 100_000)
@@ -319,8 +350,14 @@ def raw_request(port: int, request: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     "target",
-    [b"/tools/../admin", b"/tools/%2e%2e/admin", b"/tools/a%2Fb", b"/tools/a%5cb",
-     b"http://evil.example/tools/x", b"/tools/./x"],
+    [
+        b"/tools/../admin",
+        b"/tools/%2e%2e/admin",
+        b"/tools/a%2Fb",
+        b"/tools/a%5cb",
+        b"http://evil.example/tools/x",
+        b"/tools/./x",
+    ],
 )
 def test_targets_that_could_escape_are_400(
     tool: CountingTool, make_proxy: ProxyFactory, target: bytes
@@ -337,9 +374,15 @@ def test_forwarding_is_transparent(tool: CountingTool, make_proxy: ProxyFactory)
     response = httpx.post(
         f"{proxy.url}/svc/deep/path?q=1&r=a%20b",
         content=b"payload",
-        headers={"Connection": "keep-alive, X-Hop", "X-Hop": "drop me", "Keep-Alive": "5",
-                 "X-End": "keep me", "Idempotency-Key": "k1", "X-Forwarded-For": "10.0.0.1",
-                 "Authorization": "Bearer abc"},
+        headers={
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "drop me",
+            "Keep-Alive": "5",
+            "X-End": "keep me",
+            "Idempotency-Key": "k1",
+            "X-Forwarded-For": "10.0.0.1",
+            "Authorization": "Bearer abc",
+        },
     )
     assert response.status_code == 200
     seen = tool.requests[-1]
@@ -376,8 +419,12 @@ def test_set_cookie_is_never_replayed(tool: CountingTool, make_proxy: ProxyFacto
     assert replay.headers["content-length"] == str(len(first.content))
 
 
-def test_large_responses_stream_through_and_replay(tool: CountingTool, make_proxy: ProxyFactory) -> None:
-    proxy = make_proxy(route(tool.url), route(tool.url, name="plain", prefix="/plain", guarded=False))
+def test_large_responses_stream_through_and_replay(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(
+        route(tool.url), route(tool.url, name="plain", prefix="/plain", guarded=False)
+    )
     size = 3 * 1024 * 1024 + 17
     expected = (bytes(range(256)) * 256 * 49)[:size]
     plain = httpx.get(f"{proxy.url}/plain/big?size={size}")

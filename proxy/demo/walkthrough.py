@@ -51,9 +51,7 @@ def demo_config(port: int, tool_port: int, store_path: Path) -> dict[str, object
     }
 
 
-def _call(
-    url: str, body: bytes | None = None, key: str | None = None
-) -> tuple[int, Message, str]:
+def _call(url: str, body: bytes | None = None, key: str | None = None) -> tuple[int, Message, str]:
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Idempotency-Key"] = key

@@ -15,6 +15,7 @@ State machine::
 
 Only the owner token given to ``claim`` may renew, complete or release: a proxy whose
 lease expired and was taken over can never overwrite the newer owner's outcome.
+(A late outcome whose record vanished and was not taken over is still recorded.)
 """
 
 from __future__ import annotations
@@ -82,9 +83,20 @@ class Store(Protocol):
         """Extend the lease; False if ``owner`` no longer holds it."""
 
     async def complete(
-        self, key: RecordKey, owner: str, state: State, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        owner: str,
+        fingerprint: str,
+        state: State,
+        payload: bytes,
+        result_ttl: float,
     ) -> bool:
-        """Record the outcome (COMPLETED or FAILED); False if ``owner`` no longer holds it."""
+        """Record the outcome (COMPLETED or FAILED); False if another owner holds the record.
+
+        If the record is gone (the lease lapsed, or the store lost it) and nobody took the
+        key over, the outcome is written anyway: it is the truth, and keeping it is what
+        stops a second execution.
+        """
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         """Delete an IN_PROGRESS record held by ``owner``; False if not held."""

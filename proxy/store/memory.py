@@ -61,13 +61,19 @@ class MemoryStore:
         return True
 
     async def complete(
-        self, key: RecordKey, owner: str, state: State, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        owner: str,
+        fingerprint: str,
+        state: State,
+        payload: bytes,
+        result_ttl: float,
     ) -> bool:
-        entry = self._held(key, owner)
-        if entry is None:
+        entry = self._live(key)
+        if entry is not None and entry.record.owner != owner:
             return False
-        entry.record = replace(entry.record, state=state, payload=payload)
-        entry.expires_at = self._clock() + result_ttl
+        record = Record(state, fingerprint, owner, result_ttl, payload)
+        self._records[key] = _Entry(record, self._clock() + result_ttl)
         return True
 
     async def release(self, key: RecordKey, owner: str) -> bool:

@@ -51,8 +51,9 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
 _COMPLETE = """
-if redis.call('HGET', KEYS[1], 'ow') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3])
+local ow = redis.call('HGET', KEYS[1], 'ow')
+if ow and ow ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1])
 return redis.call('PEXPIRE', KEYS[1], ARGV[4])
 """
 
@@ -129,9 +130,15 @@ class RedisStore:
         return bool(reply)
 
     async def complete(
-        self, key: RecordKey, owner: str, state: State, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        owner: str,
+        fingerprint: str,
+        state: State,
+        payload: bytes,
+        result_ttl: float,
     ) -> bool:
-        args: list[str | int | bytes] = [owner, state.value, payload, _ms(result_ttl)]
+        args: list[str | int | bytes] = [owner, state.value, payload, _ms(result_ttl), fingerprint]
         reply = await self._call(lambda: self._complete(keys=[record_key(key)], args=args))
         return bool(reply)
 

@@ -104,9 +104,17 @@ class SQLiteStore:
         return await self._run(self._transaction, _renew, key, owner, lock_ttl)
 
     async def complete(
-        self, key: RecordKey, owner: str, state: State, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        owner: str,
+        fingerprint: str,
+        state: State,
+        payload: bytes,
+        result_ttl: float,
     ) -> bool:
-        return await self._run(self._transaction, _complete, key, owner, state, payload, result_ttl)
+        return await self._run(
+            self._transaction, _complete, key, owner, fingerprint, state, payload, result_ttl
+        )
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         return await self._run(self._transaction, _release, key, owner)
@@ -194,16 +202,21 @@ def _complete(
     now: float,
     key: RecordKey,
     owner: str,
+    fingerprint: str,
     state: State,
     payload: bytes,
     result_ttl: float,
 ) -> bool:
-    cursor = db.execute(
-        "UPDATE records SET state = ?, payload = ?, expires_at = ?"
-        " WHERE slot = ? AND name = ? AND owner = ? AND expires_at > ?",
-        (state.value, payload, now + result_ttl, key.slot, key.name, owner, now),
+    existing = _select(db, now, key)
+    if existing is not None and existing.owner != owner:
+        return False
+    db.execute(
+        "INSERT OR REPLACE INTO records"
+        " (slot, name, state, fingerprint, owner, expires_at, payload)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (key.slot, key.name, state.value, fingerprint, owner, now + result_ttl, payload),
     )
-    return cursor.rowcount == 1
+    return True
 
 
 def _sweep(db: sqlite3.Connection, now: float) -> int:

@@ -1,0 +1,305 @@
+"""Tables, targets and docs/benchmarks.md for bench/run.py's results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from run import Result
+
+BASELINE = "nginx-hop"
+HEADER = [
+    "scenario",
+    "callers",
+    "req/s",
+    "req/s ratio",
+    "p50 ms",
+    "p99 ms",
+    "p50 added over direct, ms",
+    "errors",
+    "Redis round trips/req",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    measured: str
+    met: bool
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        return ("met" if self.met else "NOT MET") + (f" ({self.note})" if self.note else "")
+
+
+def _index(results: list[Result]) -> dict[tuple[str, int], Result]:
+    return {(r.scenario, r.callers): r for r in results}
+
+
+def ratio(results: list[Result], scenario: str, callers: int) -> float:
+    by = _index(results)
+    return by[(scenario, callers)].rps / by[(BASELINE, callers)].rps
+
+
+def added_p50(results: list[Result], scenario: str, callers: int) -> float | None:
+    by = _index(results)
+    direct = by.get(("direct", callers))
+    return None if direct is None else by[(scenario, callers)].p50_ms - direct.p50_ms
+
+
+def row(results: list[Result], r: Result) -> list[str]:
+    added = added_p50(results, r.scenario, r.callers)
+    return [
+        r.scenario,
+        str(r.callers),
+        f"{r.rps:,.0f}",
+        f"{ratio(results, r.scenario, r.callers):.3f}",
+        f"{r.p50_ms:.2f}",
+        f"{r.p99_ms:.2f}",
+        "" if added is None else f"{added:+.2f}",
+        str(r.errors),
+        "" if r.round_trips is None else f"{r.round_trips:.2f}",
+    ]
+
+
+def text_row(r: Result) -> str:
+    """A progress line for one measurement."""
+    trips = "" if r.round_trips is None else f", {r.round_trips:.2f} Redis round trips/req"
+    return (
+        f"{r.scenario:<12} {r.callers:>2} callers: {r.rps:>8,.0f} req/s, p50 {r.p50_ms:.2f} ms, "
+        f"p99 {r.p99_ms:.2f} ms, {r.errors} errors{trips}"
+    )
+
+
+def _floor_target(what: str, value: float, goal: float, floor: float | None) -> Target:
+    note = ""
+    if floor is not None:
+        note = f"floor {floor:.2f} " + ("held" if value >= floor else "BROKEN")
+    return Target(what, f"{value:.3f}", value >= goal, note)
+
+
+def targets(results: list[Result]) -> list[Target]:
+    by = _index(results)
+    first_trips = max(by[("first-exec", c)].round_trips or 0.0 for c in (1, 32))
+    replay_trips = max(by[("replay", c)].round_trips or 0.0 for c in (1, 32))
+    added = added_p50(results, "first-exec", 1) or 0.0
+    errors = sum(r.errors for r in results)
+    return [
+        _floor_target(
+            "first-exec req/s ratio at 32 callers >= 0.10 (never below 0.07)",
+            ratio(results, "first-exec", 32),
+            0.10,
+            0.07,
+        ),
+        _floor_target(
+            "replay req/s ratio at 32 callers >= 0.20 (never below 0.15)",
+            ratio(results, "replay", 32),
+            0.20,
+            0.15,
+        ),
+        _floor_target(
+            "passthrough req/s ratio at 32 callers >= 0.15",
+            ratio(results, "passthrough", 32),
+            0.15,
+            None,
+        ),
+        Target(
+            "first-exec adds <= 0.6 ms p50 over direct at 1 caller",
+            f"{added:+.2f} ms",
+            added <= 0.6,
+        ),
+        # Rounded to 0.1: requests in flight when wrk stops reach Redis but are not counted by wrk.
+        Target(
+            "<= 2 Redis round trips per first execution",
+            f"{first_trips:.2f}",
+            round(first_trips, 1) <= 2,
+        ),
+        Target("1 Redis round trip per replay", f"{replay_trips:.2f}", round(replay_trips, 1) <= 1),
+        Target("no errors (status >= 400 or socket errors)", str(errors), errors == 0),
+    ]
+
+
+def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = [header, ["---"] * len(header), *rows]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        for cells in [header, *rows]
+    )
+
+
+def results_table(results: list[Result], markdown: bool = False) -> str:
+    return _table(HEADER, [row(results, r) for r in results], markdown)
+
+
+def clients_table(clients: list[Result], markdown: bool = False) -> str:
+    header = ["forwarder", "callers", "req/s", "req/s ratio", "p50 ms", "p99 ms", "errors"]
+    return _table(header, [[*row(clients, r)[:6], str(r.errors)] for r in clients], markdown)
+
+
+def targets_table(results: list[Result], markdown: bool = False) -> str:
+    rows = [[t.what, t.measured, t.status] for t in targets(results)]
+    return _table(["target", "measured", "status"], rows, markdown)
+
+
+def commands_table(results: list[Result], markdown: bool = False) -> str:
+    guarded = [r for r in results if r.commands is not None]
+    rows = [
+        [
+            r.scenario,
+            str(r.callers),
+            f"{r.round_trips or 0.0:.2f}",
+            f"{sum((r.commands or {}).values()):.2f}",
+            ", ".join(f"{name} {n:.2f}" for name, n in (r.commands or {}).items()),
+        ]
+        for r in guarded
+    ]
+    header = ["scenario", "callers", "round trips/req", "commands/req", "commands/req by name"]
+    return _table(header, rows, markdown)
+
+
+def client_speedup(clients: list[Result]) -> str:
+    by = _index(clients)
+    return f"{by[('aiohttp', 32)].rps / by[('httpx', 32)].rps:.1f}x"
+
+
+def text(results: list[Result], clients: list[Result]) -> str:
+    parts = []
+    if results:
+        parts += [
+            f"req/s ratio = req/s / {BASELINE} req/s at the same number of callers",
+            results_table(results),
+            "",
+            "Redis (per request):",
+            commands_table(results),
+            "",
+            targets_table(results),
+            "",
+        ]
+    parts += [
+        f"Upstream client, forwarding app at 32 callers (aiohttp/httpx req/s: "
+        f"{client_speedup(clients)}):",
+        clients_table(clients),
+    ]
+    return "\n".join(parts)
+
+
+def markdown(meta: dict[str, Any], results: list[Result], clients: list[Result]) -> str:
+    """The whole of docs/benchmarks.md."""
+    met = targets(results)
+    return DOC.format(
+        **meta,
+        results=results_table(results, markdown=True),
+        commands=commands_table(results, markdown=True),
+        targets=targets_table(results, markdown=True),
+        met=sum(t.met for t in met),
+        total=len(met),
+        clients=clients_table(clients, markdown=True),
+        speedup=client_speedup(clients),
+    )
+
+
+DOC = """\
+# Benchmarks
+
+What one tool-proxy worker process costs in front of a tool, measured with
+[wrk](https://github.com/wg/wrk) against a trivial upstream: an nginx server that answers
+every request with `200 {{"ok":true}}`. Every request is a `POST` of the same small JSON
+body, `{{"tool":"bench","n":1}}`.
+
+This file is written by `bench/run` (the script, its nginx template and wrk script are in
+`bench/`); edit the generator, not this file.
+
+## How to run
+
+```sh
+bench/run                # the full run, about 3 minutes; rewrites this file
+bench/run --quick        # 2 s per measurement: a smoke test, leaves this file alone
+bench/run --clients      # only the httpx / aiohttp comparison (printed, not written here)
+bench/run --duration 15 --rounds 3   # longer measurements, medians over 3 rounds
+```
+
+`bench/run` installs nginx and wrk (and redis-server) from Debian packages when they are
+missing, then runs `.venv/bin/python bench/run.py`. It starts everything itself on free
+127.0.0.1 ports (nginx with its own prefix in a temporary directory, a private
+`redis-server` without persistence, `tool-proxy serve --workers 1`) and stops it at the
+end. It is not part of CI. Raw numbers of every run go to `bench/results/*.json`.
+
+Each measurement is a 1 s warm-up followed by a {duration} s wrk run, at 1 caller
+(`wrk -t1 -c1`) and at 32 callers (`wrk -t2 -c32`).
+
+## The machine, and why ratios
+
+2 cores, shared with other work and noisy; wrk, nginx, Redis and the proxy all run on
+those same 2 cores, over loopback. One proxy worker. Absolute numbers on such a machine
+move from run to run, so every result is also given as a ratio against **nginx-hop**, a
+plain nginx reverse proxy measured in the same run: `req/s ratio = req/s / nginx-hop req/s`
+at the same number of callers.
+
+This run: {date}, commit `{commit}`, {cores} cores, load average at start {load},
+{duration} s per measurement, {rounds} round(s) (medians when more than one).
+
+## Scenarios
+
+- **direct**: wrk calls the upstream nginx server directly.
+- **nginx-hop** (the baseline, ratio 1.000): a second nginx server block that
+  `proxy_pass`es to the upstream with a keepalive pool (`keepalive 64`,
+  `proxy_http_version 1.1`, `proxy_set_header Connection ""`).
+- **passthrough**: a tool-proxy route without `idempotency`.
+- **first-exec**: a guarded route on the Redis store, a new key on every request
+  (`Idempotency-Key: b<run><thread>n<count>:1:<args_hash>`, the args_hash being the
+  SHA-256 of the body's RFC 8785 form): every request is claimed, forwarded and recorded.
+- **replay**: the same route, one key for every request, executed once before the
+  measurement: every request is a replay from Redis.
+
+## Results
+
+{results}
+
+p50 added over direct: the scenario's p50 minus direct's p50 at the same number of
+callers. Errors: responses with status >= 400 (wrk's "Non-2xx or 3xx responses") plus
+socket errors (connect, read, write, timeout).
+
+## Redis round trips
+
+{commands}
+
+Counted from the private Redis around each timed run (`INFO stats commandstats` before
+and after, divided by the requests wrk completed). **Round trips** are the requests Redis
+read from the network (`total_reads_processed`, less the `INFO` that took the reading):
+an `EVALSHA` is one, however many commands its script runs. **Commands** are
+`INFO commandstats` calls (without `info`): Redis counts there, as well, every command a
+Lua script runs with `redis.call`, so they are more than the round trips. Requests still
+in flight when wrk stops reach Redis without being counted by wrk, so the ratios can
+exceed the exact value by up to 32 / requests.
+
+## Targets
+
+{met} of {total} met.
+
+{targets}
+
+The round-trip targets are checked on the value rounded to 0.1 (see above); the
+round-trip value is the larger of 1 and 32 callers.
+
+## Upstream client: httpx or aiohttp
+
+The measurement behind the choice of aiohttp in `proxy/forwarding.py`: a minimal
+starlette app (`bench/clients.py`), served by uvicorn (uvloop, httptools, one worker),
+that forwards every request to the same nginx upstream with one shared client: an
+`httpx.AsyncClient` (limits raised to 100 connections) or an `aiohttp.ClientSession`.
+32 callers; the ratio is against nginx-hop measured just before.
+
+{clients}
+
+aiohttp serves {speedup} the requests per second of httpx here. The issue that led to the
+choice reported about 500 req/s (p50 57 ms) for httpx and 5,500 req/s (p50 5 ms) for
+aiohttp on this kind of machine; the table above is this run's own measurement.
+"""

@@ -1,0 +1,387 @@
+"""Benchmark tool-proxy (one worker) against an nginx hop, on loopback, with wrk.
+
+Run it with ``bench/run`` (see docs/benchmarks.md). Every process (nginx, redis-server,
+tool-proxy, the client-comparison apps, wrk) is started here on free 127.0.0.1 ports and
+stopped at the end. Numbers are reported as ratios against the nginx hop measured in the
+same run, because the machine is shared and its absolute speed varies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import redis
+import report
+
+from proxy.keys import composite_key
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = BENCH / "results"
+LUA = BENCH / "wrk" / "post.lua"
+BODY = '{"tool":"bench","n":1}'
+CALLERS = (1, 32)
+CLIENT_CALLERS = 32
+WARMUP_SECONDS = 1
+# After a wrk run, requests still in flight get this long to finish before Redis is read.
+SETTLE_SECONDS = 0.3
+START_TIMEOUT = 20.0
+MARKER = "WRK_RESULT "
+
+
+@dataclass(frozen=True)
+class Result:
+    """One wrk measurement (or the median of several rounds)."""
+
+    scenario: str
+    callers: int
+    requests: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    round_trips: float | None = None
+    """Redis round trips (requests Redis read from the network) per request."""
+    commands: dict[str, float] | None = None
+    """Redis commands per request by name (INFO commandstats: includes those run in scripts)."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    url: str
+    key_mode: str = "none"  # none | fixed | unique (see bench/wrk/post.lua)
+    key: str = ""
+
+    @property
+    def guarded(self) -> bool:
+        return self.key_mode != "none"
+
+    def wrk_args(self, args_hash: str) -> list[str]:
+        if self.key_mode == "unique":  # a fresh plan id prefix for every wrk invocation
+            return ["unique", f"{self.key}{secrets.token_hex(4)}", args_hash]
+        return [self.key_mode, self.key]
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return int(response.status) == 200
+    except OSError:
+        return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@contextmanager
+def service(name: str, argv: list[str], workdir: Path, ready: Callable[[], bool]) -> Iterator[None]:
+    """Run ``argv`` as a child (output in ``workdir/name.log``) until the block ends."""
+    log_path = workdir / f"{name}.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start:\n{tail(log_path)}")
+            time.sleep(0.05)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_nginx(stack: ExitStack, workdir: Path, upstream: int, hop: int) -> None:
+    conf = (BENCH / "nginx.conf.tmpl").read_text()
+    for name, value in {"PREFIX": workdir, "UPSTREAM_PORT": upstream, "HOP_PORT": hop}.items():
+        conf = conf.replace(f"@{name}@", str(value))
+    (workdir / "nginx.conf").write_text(conf)
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    argv = [nginx, "-p", str(workdir), "-c", str(workdir / "nginx.conf"), "-e", "stderr"]
+    ready = lambda: http_ok(f"http://127.0.0.1:{upstream}/") and http_ok(f"http://127.0.0.1:{hop}/")  # noqa: E731
+    stack.enter_context(service("nginx", argv, workdir, ready))
+
+
+def start_redis(stack: ExitStack, workdir: Path, port: int) -> redis.Redis:
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(workdir)]
+    client = redis.Redis(port=port)
+
+    def ready() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    stack.enter_context(service("redis", argv, workdir, ready))
+    stack.callback(client.close)
+    return client
+
+
+def start_proxy(stack: ExitStack, workdir: Path, port: int, upstream: int, redis_port: int) -> None:
+    routes = [
+        {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
+        {
+            "name": "tool",
+            "path_prefix": "/tool",
+            "strip_prefix": True,
+            "idempotency": {"lock_ttl": "30s", "result_ttl": "5m"},
+        },
+    ]
+    config = {
+        "store": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+        "server": {"host": "127.0.0.1", "port": port},
+        "routes": [{**r, "upstream": f"http://127.0.0.1:{upstream}"} for r in routes],
+    }
+    path = workdir / "proxy.yaml"
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    argv = [str(Path(sys.executable).parent / "tool-proxy"), "serve", "--config", str(path)]
+    argv += ["--workers", "1"]
+    ready = lambda: http_ok(f"http://127.0.0.1:{port}/_proxy/readyz")  # noqa: E731
+    stack.enter_context(service("proxy", argv, workdir, ready))
+
+
+def post(url: str, key: str) -> dict[str, str]:
+    """One POST of BODY with ``key``; the response headers (raises unless 2xx)."""
+    request = urllib.request.Request(url, BODY.encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    request.add_header("Idempotency-Key", key)
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return {k.lower(): v for k, v in response.headers.items()}
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def wrk(url: str, callers: int, seconds: int, key_args: list[str]) -> dict[str, int]:
+    threads = min(callers, 2)
+    argv = ["wrk", f"-t{threads}", f"-c{callers}", f"-d{seconds}s", "--timeout", "10s"]
+    argv += ["-s", str(LUA), url, "--", BODY, *key_args]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 60)
+    for line in out.stdout.splitlines():
+        if line.startswith(MARKER):
+            return dict(json.loads(line.removeprefix(MARKER)))
+    raise RuntimeError(f"no {MARKER.strip()} line from wrk:\n{out.stdout}\n{out.stderr}")
+
+
+def redis_info(client: redis.Redis) -> dict[str, Any]:
+    return client.info("stats", "commandstats")
+
+
+def redis_usage(
+    before: dict[str, Any], after: dict[str, Any], requests: int
+) -> tuple[float, dict[str, float]]:
+    """Round trips and commands per request between two INFO snapshots."""
+    # The INFO that took `after` is one of the reads; commandstats lists it as `info`.
+    reads = after["total_reads_processed"] - before["total_reads_processed"] - 1
+    calls = {
+        name.removeprefix("cmdstat_"): stats["calls"] - before.get(name, {}).get("calls", 0)
+        for name, stats in after.items()
+        if name.startswith("cmdstat_") and name != "cmdstat_info"
+    }
+    per_request = {name: n / requests for name, n in sorted(calls.items()) if n}
+    return reads / requests, per_request
+
+
+def measure(
+    scenario: Scenario, callers: int, seconds: int, args_hash: str, store: redis.Redis | None
+) -> Result:
+    """Warm up, then one timed wrk run (with Redis counters around it when guarded)."""
+    wrk(scenario.url, callers, WARMUP_SECONDS, scenario.wrk_args(args_hash))
+    time.sleep(SETTLE_SECONDS)
+    before = redis_info(store) if store and scenario.guarded else None
+    data = wrk(scenario.url, callers, seconds, scenario.wrk_args(args_hash))
+    result = Result(
+        scenario=scenario.name,
+        callers=callers,
+        requests=data["requests"],
+        rps=data["requests"] / (data["duration_us"] / 1e6),
+        p50_ms=data["p50_us"] / 1000,
+        p99_ms=data["p99_us"] / 1000,
+        errors=data["status_errors"] + data["socket_errors"],
+    )
+    if before is not None and store is not None and result.requests:
+        time.sleep(SETTLE_SECONDS)
+        trips, commands = redis_usage(before, redis_info(store), result.requests)
+        result = replace(result, round_trips=trips, commands=commands)
+    print(f"  {report.text_row(result)}", flush=True)
+    return result
+
+
+def median(results: list[Result]) -> Result:
+    """The median of every rate over rounds (requests and errors are summed)."""
+    trips = [r.round_trips for r in results if r.round_trips is not None]
+    commands = [r.commands for r in results if r.commands is not None]
+    names = sorted({name for c in commands for name in c})
+    return replace(
+        results[0],
+        requests=sum(r.requests for r in results),
+        rps=statistics.median(r.rps for r in results),
+        p50_ms=statistics.median(r.p50_ms for r in results),
+        p99_ms=statistics.median(r.p99_ms for r in results),
+        errors=sum(r.errors for r in results),
+        round_trips=statistics.median(trips) if trips else None,
+        commands={n: statistics.median(c.get(n, 0.0) for c in commands) for n in names}
+        if commands
+        else None,
+    )
+
+
+def run_grid(
+    scenarios: list[Scenario], callers: tuple[int, ...], args: argparse.Namespace, **kw: Any
+) -> list[Result]:
+    """Every scenario at every number of callers, ``args.rounds`` times; medians."""
+    rounds: dict[tuple[str, int], list[Result]] = {}
+    for n in range(args.rounds):
+        for count in callers:
+            print(f"round {n + 1}/{args.rounds}, {count} caller(s):", flush=True)
+            for s in scenarios:
+                rounds.setdefault((s.name, count), []).append(
+                    measure(s, count, args.duration, **kw)
+                )
+    return [median(results) for results in rounds.values()]
+
+
+def compare_clients(
+    stack: ExitStack, workdir: Path, upstream: int, hop: Scenario, args: argparse.Namespace
+) -> list[Result]:
+    """nginx-hop, httpx and aiohttp forwarding apps, at 32 callers."""
+    results = run_grid([hop], (CLIENT_CALLERS,), args, args_hash="", store=None)
+    for client in ("httpx", "aiohttp"):
+        port = free_port()
+        argv = [sys.executable, str(BENCH / "clients.py"), "--client", client, "--port", str(port)]
+        argv += ["--upstream", f"http://127.0.0.1:{upstream}"]
+        with ExitStack() as app:
+            app.enter_context(
+                service(client, argv, workdir, lambda: http_ok(f"http://127.0.0.1:{port}/"))
+            )
+            scenario = Scenario(client, f"http://127.0.0.1:{port}/tool")
+            results += run_grid([scenario], (CLIENT_CALLERS,), args, args_hash="", store=None)
+    return results
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Benchmark tool-proxy against an nginx hop.")
+    parser.add_argument("--duration", type=int, default=8, help="seconds per measurement (8)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the grid, keep medians")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 s smoke run; does not write the docs"
+    )
+    parser.add_argument(
+        "--clients", action="store_true", help="only the httpx/aiohttp comparison (no docs)"
+    )
+    parser.add_argument("--no-docs", action="store_true", help=f"do not write {DOCS.name}")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration = 2
+    if args.duration < 1 or args.rounds < 1:
+        parser.error("--duration and --rounds must be at least 1")
+    return args
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    ports = {name: free_port() for name in ("upstream", "hop", "proxy", "redis")}
+    direct = Scenario("direct", f"http://127.0.0.1:{ports['upstream']}/tool")
+    hop = Scenario("nginx-hop", f"http://127.0.0.1:{ports['hop']}/tool")
+    with ExitStack() as stack:
+        start_nginx(stack, workdir, ports["upstream"], ports["hop"])
+        if args.clients:
+            return {"clients": compare_clients(stack, workdir, ports["upstream"], hop, args)}
+        store = start_redis(stack, workdir, ports["redis"])
+        start_proxy(stack, workdir, ports["proxy"], ports["upstream"], ports["redis"])
+        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        args_hash = composite_key("bench", 1, BODY.encode()).rsplit(":", 1)[1]
+        replay_key = f"replay-{secrets.token_hex(4)}:1:{args_hash}"
+        post(f"{proxy}/tool", replay_key)  # prime: every later request is a replay
+        if post(f"{proxy}/tool", replay_key).get("idempotent-replayed") != "true":
+            raise RuntimeError("the replay key was not replayed")
+        scenarios = [
+            direct,
+            hop,
+            Scenario("passthrough", f"{proxy}/pass"),
+            Scenario("first-exec", f"{proxy}/tool", "unique", "b"),
+            Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
+        ]
+        results = run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+        clients = compare_clients(stack, workdir, ports["upstream"], hop, args)
+    return {"results": results, "clients": clients}
+
+
+def git_commit() -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return (
+        f"{commit} (with uncommitted changes)" if git("status", "--porcelain").strip() else commit
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    started = datetime.now(UTC)
+    meta = {
+        "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "duration": args.duration,
+        "rounds": args.rounds,
+        "cores": os.cpu_count(),
+        "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+    }
+    with tempfile.TemporaryDirectory(prefix="tool-proxy-bench-") as tmp:
+        runs = run(args, Path(tmp))
+    results, clients = runs.get("results", []), runs["clients"]
+    print()
+    print(report.text(results, clients))
+    RESULTS.mkdir(exist_ok=True)
+    raw = {**meta, **{k: [asdict(r) for r in v] for k, v in runs.items()}}
+    out = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.write_text(json.dumps(raw, indent=2))
+    print(f"\nraw results: {out.relative_to(ROOT)}")
+    if results and not (args.quick or args.no_docs):
+        DOCS.write_text(report.markdown(meta, results, clients))
+        print(f"wrote {DOCS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""One contract, every store: memory, SQLite and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from proxy.errors import StoreUnavailable
+from proxy.store import RecordKey, State, Store, make_store
+from tests.servers import RedisServer, free_port
+
+pytestmark = pytest.mark.anyio
+
+KEY = RecordKey("route|anon|plan|1", "a" * 64)
+LOCK = 5.0
+RESULT = 60.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def store(store_url: str) -> AsyncIterator[Store]:
+    opened = make_store(store_url)
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+async def test_first_claim_wins(store: Store) -> None:
+    assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+    second = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert not second.claimed
+    assert second.record is not None
+    assert second.record.state is State.IN_PROGRESS
+    assert second.record.owner == "a"
+    assert 0 < second.record.ttl <= LOCK
+
+
+async def test_a_retried_claim_by_the_same_owner_is_still_claimed(store: Store) -> None:
+    assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+    assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+
+
+async def test_concurrent_claims_have_exactly_one_winner(store: Store) -> None:
+    claims = await asyncio.gather(
+        *(store.claim(KEY, "fp", f"owner-{i}", LOCK, RESULT) for i in range(50))
+    )
+    assert sum(c.claimed for c in claims) == 1
+
+
+async def test_complete_then_replay(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"payload\x00\xff", RESULT)
+    found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert found.record is not None
+    assert found.record.state is State.COMPLETED
+    assert found.record.payload == b"payload\x00\xff"
+    assert LOCK < found.record.ttl <= RESULT
+    got = await store.get(KEY)
+    assert got is not None and got.payload == b"payload\x00\xff"
+
+
+async def test_failed_is_kept_like_completed(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert await store.complete(KEY, "a", "fp", State.FAILED, b"problem", RESULT)
+    found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert found.record is not None and found.record.state is State.FAILED
+
+
+async def test_only_the_owner_may_renew_complete_or_release(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert not await store.renew(KEY, "b", LOCK)
+    assert not await store.complete(KEY, "b", "fp", State.COMPLETED, b"x", RESULT)
+    assert not await store.release(KEY, "b")
+    record = await store.get(KEY)
+    assert record is not None and record.state is State.IN_PROGRESS and record.owner == "a"
+    assert await store.renew(KEY, "a", LOCK)
+    assert await store.release(KEY, "a")
+    assert await store.get(KEY) is None
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+
+
+async def test_a_completed_record_cannot_be_released(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    await store.complete(KEY, "a", "fp", State.COMPLETED, b"x", RESULT)
+    assert not await store.release(KEY, "a")
+    assert not await store.renew(KEY, "a", LOCK)
+    assert (await store.get(KEY)) is not None
+
+
+async def test_lease_expires_and_the_old_owner_is_fenced_off(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await asyncio.sleep(0.35)
+    assert await store.get(KEY) is None
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    assert not await store.complete(KEY, "a", "fp", State.COMPLETED, b"stale", RESULT)
+    assert not await store.renew(KEY, "a", LOCK)
+    assert await store.complete(KEY, "b", "fp", State.COMPLETED, b"fresh", RESULT)
+    record = await store.get(KEY)
+    assert record is not None and record.payload == b"fresh"
+
+
+async def test_a_late_outcome_is_kept_if_nobody_took_over(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await asyncio.sleep(0.35)
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"late", RESULT)
+    found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert found.record is not None
+    assert (found.record.state, found.record.payload, found.record.fingerprint) == (
+        State.COMPLETED,
+        b"late",
+        "fp",
+    )
+
+
+async def test_renewal_keeps_the_lease(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", 0.3, RESULT)
+    for _ in range(3):
+        await asyncio.sleep(0.15)
+        assert await store.renew(KEY, "a", 0.3)
+    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+
+
+async def test_results_expire(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, 0.3)
+    await store.complete(KEY, "a", "fp", State.COMPLETED, b"x", 0.3)
+    await asyncio.sleep(0.45)
+    assert await store.get(KEY) is None
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+
+
+async def test_sweep_removes_expired_records(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", 0.1, 0.1)
+    await asyncio.sleep(0.2)
+    swept = await store.sweep()
+    assert swept in (0, 1)  # Redis expires keys itself and reports 0
+    assert await store.get(KEY) is None
+
+
+async def test_claim_reports_the_previous_name_in_the_slot(store: Store) -> None:
+    first = await store.claim(RecordKey("slot", "h1"), "h1", "a", LOCK, RESULT)
+    assert first.claimed and first.previous is None
+    second = await store.claim(RecordKey("slot", "h2"), "h2", "b", LOCK, RESULT)
+    assert second.claimed and second.previous == "h1"
+    again = await store.claim(RecordKey("slot", "h3"), "h3", "c", LOCK, RESULT)
+    assert again.previous == "h2"
+
+
+async def test_records_are_independent(store: Store) -> None:
+    assert (await store.claim(RecordKey("s1", "n"), "fp", "a", LOCK, RESULT)).claimed
+    assert (await store.claim(RecordKey("s2", "n"), "fp", "a", LOCK, RESULT)).claimed
+    assert (await store.claim(RecordKey("s1", "m"), "fp", "a", LOCK, RESULT)).claimed
+
+
+async def test_ping(store: Store) -> None:
+    await store.ping()
+
+
+async def test_unreachable_redis_raises_store_unavailable() -> None:
+    store = make_store(f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(StoreUnavailable):
+        await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    await store.close()
+
+
+async def test_redis_reconnects_after_a_restart() -> None:
+    server = RedisServer().start()
+    store = make_store(server.url)
+    try:
+        assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            await store.claim(KEY, "fp", "b", LOCK, RESULT)
+        server.start()
+        assert (await store.claim(RecordKey("s", "n"), "fp", "b", LOCK, RESULT)).claimed
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_sqlite_survives_a_restart(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/state.db"
+    first = make_store(url)
+    await first.open()
+    await first.claim(KEY, "fp", "a", LOCK, RESULT)
+    await first.complete(KEY, "a", "fp", State.COMPLETED, b"kept", RESULT)
+    await first.close()
+    second = make_store(url)
+    await second.open()
+    record = await second.get(KEY)
+    await second.close()
+    assert record is not None and record.payload == b"kept"
+
+
+async def test_sqlite_shared_by_two_connections_has_one_winner(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path}/state.db"
+    stores = [make_store(url), make_store(url)]
+    for s in stores:
+        await s.open()
+    claims = await asyncio.gather(
+        *(stores[i % 2].claim(KEY, "fp", f"o{i}", LOCK, RESULT) for i in range(40))
+    )
+    for s in stores:
+        await s.close()
+    assert sum(c.claimed for c in claims) == 1
+
+
+async def test_sqlite_unusable_path_is_store_unavailable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = make_store(f"sqlite://{blocker}/state.db")
+    with pytest.raises(StoreUnavailable, match="sqlite"):
+        await store.open()
+    await store.close()
+
+
+async def test_redis_keys_share_a_hash_tag() -> None:
+    from proxy.store.redis import record_key, slot_key
+
+    key = RecordKey("route|anon|plan|1", "h")
+    assert record_key(key).split("}")[0] == slot_key(key).split("}")[0] == "tp:{route|anon|plan|1"
