@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +98,11 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def urls_ok(*urls: str) -> Callable[[], bool]:
+    """A readiness check: every URL answers 200."""
+    return lambda: all(http_ok(url) for url in urls)
+
+
 def tail(path: Path, lines: int = 20) -> str:
     text = path.read_text(errors="replace") if path.exists() else ""
     return "\n".join(text.splitlines()[-lines:])
@@ -134,7 +138,7 @@ def start_nginx(stack: ExitStack, workdir: Path, upstream: int, hop: int) -> Non
     (workdir / "nginx.conf").write_text(conf)
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     argv = [nginx, "-p", str(workdir), "-c", str(workdir / "nginx.conf"), "-e", "stderr"]
-    ready = lambda: http_ok(f"http://127.0.0.1:{upstream}/") and http_ok(f"http://127.0.0.1:{hop}/")  # noqa: E731
+    ready = urls_ok(f"http://127.0.0.1:{upstream}/", f"http://127.0.0.1:{hop}/")
     stack.enter_context(service("nginx", argv, workdir, ready))
 
 
@@ -173,7 +177,7 @@ def start_proxy(stack: ExitStack, workdir: Path, port: int, upstream: int, redis
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     argv = [str(Path(sys.executable).parent / "tool-proxy"), "serve", "--config", str(path)]
     argv += ["--workers", "1"]
-    ready = lambda: http_ok(f"http://127.0.0.1:{port}/_proxy/readyz")  # noqa: E731
+    ready = urls_ok(f"http://127.0.0.1:{port}/_proxy/readyz")
     stack.enter_context(service("proxy", argv, workdir, ready))
 
 
@@ -288,9 +292,7 @@ def compare_clients(
         argv = [sys.executable, str(BENCH / "clients.py"), "--client", client, "--port", str(port)]
         argv += ["--upstream", f"http://127.0.0.1:{upstream}"]
         with ExitStack() as app:
-            app.enter_context(
-                service(client, argv, workdir, lambda: http_ok(f"http://127.0.0.1:{port}/"))
-            )
+            app.enter_context(service(client, argv, workdir, urls_ok(f"http://127.0.0.1:{port}/")))
             scenario = Scenario(client, f"http://127.0.0.1:{port}/tool")
             results += run_grid([scenario], (CLIENT_CALLERS,), args, args_hash="", store=None)
     return results

@@ -25,6 +25,7 @@ MAX_KEY_LENGTH = 255
 _PART = r"[A-Za-z0-9._-]{1,128}"
 _COMPOSITE = re.compile(rf"({_PART}):({_PART}):([0-9a-fA-F]{{64}})")
 _OPAQUE = re.compile(r"[\x21-\x7e]{1,255}")
+_OPAQUE_QUOTED = re.compile(r"[\x20-\x7e]{1,255}")  # an sf-string may hold spaces
 
 
 class Canonicalization(StrEnum):
@@ -151,8 +152,9 @@ def parse_composite(header: str) -> CompositeKey:
 
 
 def parse_opaque(header: str) -> str:
-    """Parse an opaque (IETF draft) key: 1..255 visible ASCII characters."""
+    """Parse an opaque (IETF draft) key: 1..255 visible ASCII characters (or an sf-string)."""
     value = unquote(header)
-    if _OPAQUE.fullmatch(value) is None:
+    pattern = _OPAQUE_QUOTED if value != header.strip() else _OPAQUE
+    if pattern.fullmatch(value) is None:
         raise InvalidIdempotencyKey("Idempotency-Key must be 1..255 visible ASCII characters")
     return value

@@ -16,10 +16,9 @@ from tests.servers import BreakingTool, CountingTool, free_port, wait_for
 BODY = {"account": "acme", "amount": 42}
 
 
-def post(url: str, body: object = BODY, key: str | None = None, **kwargs: object) -> httpx.Response:
+def post(url: str, body: object = BODY, key: str | None = None) -> httpx.Response:
     headers = {"Idempotency-Key": key} if key else {}
-    headers.update(kwargs.pop("headers", {}))  # type: ignore[arg-type]
-    return httpx.post(url, json=body, headers=headers, timeout=30, **kwargs)  # type: ignore[arg-type]
+    return httpx.post(url, json=body, headers=headers, timeout=30)
 
 
 def problem_type(response: httpx.Response) -> str:

@@ -77,6 +77,15 @@ def _wait_ready(url: str, proxy: subprocess.Popen[bytes], seconds: float = 20.0)
     raise RuntimeError(f"{url} did not become ready in {seconds:.0f} s")
 
 
+def _wait_in_flight(tool: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if json.loads(_call(f"{tool}/tools/charge/executions")[2])["in_flight"]:
+            return
+        time.sleep(0.02)
+    raise RuntimeError("the first call did not reach the demo tool")
+
+
 def _start_tool(port: int) -> uvicorn.Server:
     server = uvicorn.Server(
         uvicorn.Config(create_tool_app(), host="127.0.0.1", port=port, log_level="warning")
@@ -98,7 +107,7 @@ def _walk(base: str, tool: str) -> None:
     )
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(_call, url, body, key)
-        time.sleep(0.5)
+        _wait_in_flight(tool)
         status, headers, text = _call(url, body, key)
         print(
             f"2. Duplicate while the first is in flight -> {status}, "

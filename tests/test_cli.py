@@ -1,0 +1,128 @@
+"""The command line, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from proxy.keys import composite_key
+from tests.servers import ROOT, free_port
+
+
+def cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *args],
+        input=stdin.decode(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+
+
+def write(tmp_path: Path, config: object) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+GOOD = {
+    "store": {"url": "memory://"},
+    "routes": [
+        {
+            "name": "t",
+            "path_prefix": "/t",
+            "upstream": "http://127.0.0.1:9",
+            "idempotency": {"lock_ttl": "2m"},
+        }
+    ],
+}
+
+
+def test_check_config_accepts_a_valid_file(tmp_path: Path) -> None:
+    result = cli("check-config", write(tmp_path, GOOD))
+    assert result.returncode == 0
+    assert "1 route(s), 1 guarded" in result.stdout
+
+
+def test_check_config_lists_every_problem(tmp_path: Path) -> None:
+    bad = {
+        "store": {"url": "mysql://x"},
+        "colour": "blue",
+        "routes": [
+            {
+                "name": "t",
+                "path_prefix": "/t",
+                "upstream": "not a url",
+                "timeout": "soon",
+                "idempotency": {"methods": ["POST"], "lock": 1},
+            }
+        ],
+    }
+    result = cli("check-config", write(tmp_path, bad))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    for expected in (
+        "store.url:",
+        "colour: unknown key",
+        "routes[0].upstream: not an absolute",
+        "routes[0].timeout: not a duration",
+        "routes[0].idempotency.lock: unknown key",
+    ):
+        assert expected in result.stderr
+
+
+def test_check_config_on_unreadable_or_broken_files(tmp_path: Path) -> None:
+    missing = cli("check-config", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("routes: [unclosed")
+    result = cli("check-config", str(broken))
+    assert result.returncode == 2 and "not valid YAML" in result.stderr
+    assert "Traceback" not in result.stderr + missing.stderr
+
+
+def test_key_prints_the_composite_key() -> None:
+    body = b'{"b": 1, "a": "x"}'
+    result = cli("key", "--plan", "plan-7", "--step", "3", stdin=body)
+    assert result.returncode == 0
+    assert result.stdout.strip() == composite_key("plan-7", 3, json.loads(body))
+    python = cli(
+        "key", "--plan", "p", "--step", "1", "--canonicalization", "python-json", stdin=body
+    )
+    assert python.stdout.strip() == composite_key("p", 1, body, "python-json")
+
+
+def test_key_names_the_bad_field() -> None:
+    result = cli("key", "--plan", "has space", "--step", "1")
+    assert result.returncode == 2
+    assert "--plan: must be 1..128 characters" in result.stderr
+    big = cli("key", "--plan", "p", "--step", "1", stdin=b'{"n": 12345678901234567890}')
+    assert big.returncode == 2 and "stdin:" in big.stderr and "Traceback" not in big.stderr
+
+
+def test_serve_refuses_memory_store_with_several_workers(tmp_path: Path) -> None:
+    result = cli(
+        "serve", "--config", write(tmp_path, GOOD), "--workers", "2", "--port", str(free_port())
+    )
+    assert result.returncode == 2
+    assert "--workers" in result.stderr and "memory://" in result.stderr
+
+
+def test_serve_refuses_an_invalid_config(tmp_path: Path) -> None:
+    result = cli("serve", "--config", write(tmp_path, {"routes": []}))
+    assert result.returncode == 2
+    assert "routes:" in result.stderr
+
+
+def test_demo_shows_a_conflict_and_a_replay() -> None:
+    result = cli("demo", "--once", "--port", str(free_port()), "--tool-port", str(free_port()))
+    assert result.returncode == 0, result.stderr
+    assert "-> 409, Retry-After: 1" in result.stdout
+    assert "-> 201, Idempotent-Replayed: true" in result.stdout
+    assert "executed the charge 1 time(s)" in result.stdout

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import (
+    DEFAULT_LOCK_TTL,
+    DEFAULT_STORE_URL,
+    ENV_CONFIG,
+    ENV_STORE_URL,
+    load_config,
+    parse_config,
+    parse_duration,
+)
+from proxy.errors import ConfigError
+
+ROUTE = {"name": "r", "path_prefix": "/r/", "upstream": "http://h:1/base/"}
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        (5, 5.0),
+        (0.25, 0.25),
+        ("250ms", 0.25),
+        ("5s", 5.0),
+        ("2m", 120.0),
+        ("24h", 86400.0),
+        ("7d", 604800.0),
+        ("1.5s", 1.5),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "5", "5 parsecs", "-1s", "0s", 0, True, None, "1w"])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+def test_defaults() -> None:
+    config = parse_config({"routes": [{**ROUTE, "idempotency": {}}]}, env={})
+    assert config.store.url == DEFAULT_STORE_URL
+    route = config.routes[0]
+    assert route.path_prefix == "/r" and route.upstream == "http://h:1/base"
+    assert route.idempotency is not None
+    assert route.idempotency.lock_ttl == DEFAULT_LOCK_TTL
+    assert route.idempotency.methods == ("POST", "PATCH")
+    assert route.idempotency.conflict_wait == 0
+
+
+def test_every_problem_is_reported_with_its_field() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            {
+                "server": {"port": 70000},
+                "limits": {"max_body_bytes": -1},
+                "routes": [
+                    {
+                        **ROUTE,
+                        "idempotency": {
+                            "key": "uuid",
+                            "canonicalization": "xml",
+                            "lock_ttl": "1h",
+                            "result_ttl": "1m",
+                        },
+                    },
+                    {"name": "r", "path_prefix": "/_proxy/x", "upstream": "http://h"},
+                ],
+            },
+            env={},
+        )
+    problems = caught.value.problems
+    fields = [p.split(":", 1)[0] for p in problems]
+    assert "server.port" in fields
+    assert "limits.max_body_bytes" in fields
+    assert "routes[0].idempotency.key" in fields
+    assert "routes[0].idempotency.canonicalization" in fields
+    assert "routes[1].path_prefix" in fields
+
+
+def test_cross_field_checks() -> None:
+    with pytest.raises(ConfigError, match="result_ttl must be at least lock_ttl"):
+        parse_config(
+            {"routes": [{**ROUTE, "idempotency": {"lock_ttl": "1h", "result_ttl": "1m"}}]}, env={}
+        )
+    with pytest.raises(ConfigError, match=r"routes\[1\].name: 'r' is used by another route"):
+        parse_config({"routes": [ROUTE, {**ROUTE, "path_prefix": "/other"}]}, env={})
+
+
+def test_missing_routes_and_non_mapping() -> None:
+    with pytest.raises(ConfigError, match="routes: required"):
+        parse_config({}, env={})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        parse_config(["routes"], env={})
+
+
+def test_environment_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "store: {url: memory://}\nroutes:\n  - {name: r, path_prefix: /r, upstream: http://h}\n"
+    )
+    env = {ENV_CONFIG: str(path), ENV_STORE_URL: "redis://cache:6379/1"}
+    assert load_config(env=env).store.url == "redis://cache:6379/1"
+    with pytest.raises(ConfigError, match="no configuration"):
+        load_config(env={})
+    with pytest.raises(ConfigError, match=r"store\.url"):
+        load_config(path, env={ENV_STORE_URL: "postgres://x"})

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+from proxy.forwarding import connection_tokens, request_headers, response_headers
+from proxy.outcome import REPLAYED_HEADER, StoredResponse
+
+
+def test_connection_named_fields_are_dropped() -> None:
+    headers = [
+        (b"Connection", b"close, X-Secret-Hop"),
+        (b"X-Secret-Hop", b"1"),
+        (b"X-End", b"2"),
+        (b"Transfer-Encoding", b"chunked"),
+        (b"Content-Length", b"9"),
+        (b"Keep-Alive", b"t"),
+    ]
+    assert connection_tokens(headers) == {b"close", b"x-secret-hop"}
+    assert response_headers(headers) == [(b"X-End", b"2")]
+
+
+def test_request_headers_add_forwarding_fields() -> None:
+    out = request_headers(
+        [
+            (b"host", b"proxy:8080"),
+            (b"x-forwarded-for", b"1.1.1.1"),
+            (b"te", b"trailers"),
+            (b"upgrade", b"h2c"),
+            (b"proxy-connection", b"keep-alive"),
+            (b"accept", b"a"),
+            (b"accept", b"b"),
+            (b"content-length", b"3"),
+        ],
+        "10.0.0.9",
+        "https",
+    )
+    assert out.getall("accept") == ["a", "b"]
+    assert out["X-Forwarded-For"] == "1.1.1.1, 10.0.0.9"
+    assert out["X-Forwarded-Proto"] == "https"
+    assert out["X-Forwarded-Host"] == "proxy:8080"
+    for dropped in ("host", "te", "upgrade", "proxy-connection", "content-length"):
+        assert dropped not in out
+
+
+def test_stored_responses_round_trip_without_set_cookie() -> None:
+    headers = [
+        (b"Content-Type", b"application/json"),
+        (b"Set-Cookie", b"a=b"),
+        (b"X-A", b"1"),
+        (b"X-A", b"2"),
+        (b"Content-Length", b"4"),
+    ]
+    stored = StoredResponse.of(201, headers, b"\x00body\xff")
+    decoded = StoredResponse.decode(stored.encode())
+    assert decoded == stored
+    assert (b"Set-Cookie", b"a=b") not in decoded.headers
+    response = decoded.to_response(replayed=True)
+    assert response.status_code == 201
+    assert REPLAYED_HEADER in response.raw_headers
+    assert (b"content-length", b"6") in response.raw_headers
+    assert [v for k, v in response.raw_headers if k == b"X-A"] == [b"1", b"2"]

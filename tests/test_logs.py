@@ -1,0 +1,65 @@
+"""The JSON request log of a real `tool-proxy serve` process."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+
+from proxy.logs import REDACTED, redact
+from tests.conftest import new_key, route
+from tests.servers import CountingTool, ProxyProcess
+
+SECRET = "eyJhbGciOiJSUzI1NiJ9.super-secret-token"
+
+
+def test_one_event_per_request_and_no_secrets(tool: CountingTool, tmp_path: Path) -> None:
+    config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
+    proxy = ProxyProcess(config, tmp_path).start()
+    plan = f"plan-{uuid.uuid4().hex[:8]}"
+    key = new_key({"n": 1}, plan=plan)
+    headers = {
+        "Authorization": f"Bearer {SECRET}",
+        "Cookie": f"session={SECRET}",
+        "Idempotency-Key": key,
+    }
+    try:
+        for body, k in (({"n": 1}, key), ({"n": 1}, key), ({"n": 2}, new_key({"n": 2}, plan=plan))):
+            response = httpx.post(
+                f"{proxy.url}/tools/x?cookie=1",
+                json=body,
+                headers={**headers, "Idempotency-Key": k},
+            )
+            assert response.status_code == 200
+        httpx.post(f"{proxy.url}/tools/x", json={"n": 3}, headers=headers)  # 422
+    finally:
+        proxy.stop()
+    assert SECRET not in proxy.log_text()
+    events = proxy.events()
+    requests = [e for e in events if e["event"] == "request"]
+    assert [e["outcome"] for e in requests] == ["executed", "replayed", "executed", "rejected"]
+    assert [e["status"] for e in requests] == [200, 200, 200, 422]
+    for event in requests:
+        assert event["route"] == "tool"
+        assert event["latency_ms"] >= 0
+        assert event["level"] == "info" and event["timestamp"]
+    assert requests[0]["key"] == key
+    replanned = [e for e in events if e["event"] == "replanned"]
+    assert len(replanned) == 1
+    assert replanned[0]["previous_args_hash"] == key.rsplit(":", 1)[1]
+
+
+def test_redact_blanks_secret_fields_at_any_depth() -> None:
+    event = {
+        "event": "x",
+        "authorization": "Bearer a",
+        "headers": {"Cookie": "c", "x": "ok"},
+        "client_secret": "s",
+        "refresh_token": "t",
+        "route": "r",
+    }
+    out = redact(None, "info", event)
+    assert out["authorization"] == out["client_secret"] == out["refresh_token"] == REDACTED
+    assert out["headers"] == {"Cookie": REDACTED, "x": "ok"}
+    assert out["route"] == "r"
