@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -21,6 +22,7 @@ from proxy.config import Config, RouteConfig, load_config
 from proxy.errors import (
     BadRequest,
     InvalidPath,
+    MethodNotAllowed,
     OutcomeUnknown,
     ProxyError,
     RequestInProgress,
@@ -30,7 +32,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import RawHeaders, Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
-from proxy.problems import handle_proxy_error, handle_unexpected
+from proxy.problems import handle_http_exception, handle_proxy_error, handle_unexpected
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
 from proxy.store import Store, make_store
 
@@ -42,6 +44,8 @@ SWEEP_INTERVAL_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
 SHUTDOWN_GRACE_SECONDS = 5.0
+
+OWN_ENDPOINTS = frozenset({"/_proxy/healthz", "/_proxy/readyz"})
 
 _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
@@ -137,6 +141,8 @@ class Proxy:
                 "absolute-form request targets are refused: this is not a forward proxy"
             )
         path = scope["path"]
+        if path in OWN_ENDPOINTS:
+            raise MethodNotAllowed(f"{path} answers GET and HEAD", headers={"Allow": "GET, HEAD"})
         check_path(path, scope.get("raw_path") or path.encode())
         route = self.router.match(path)
         trace.route = route.name
@@ -268,7 +274,11 @@ def create_app(config: Config, *, store: Store | None = None) -> Starlette:
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={ProxyError: on_proxy_error, Exception: on_unexpected},
+        exception_handlers={
+            ProxyError: on_proxy_error,
+            HTTPException: handle_http_exception,
+            Exception: on_unexpected,
+        },
     )
 
 

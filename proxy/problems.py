@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -28,6 +30,21 @@ async def handle_proxy_error(request: Request, exc: Exception) -> Response:
     """Starlette exception handler for every ``ProxyError``."""
     assert isinstance(exc, ProxyError)
     return problem_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (e.g. 405 on /_proxy/healthz) as problem documents too."""
+    assert isinstance(exc, HTTPException)
+    phrase = HTTPStatus(exc.status_code).phrase
+    body = json.dumps(
+        {
+            "type": PROBLEM_BASE + phrase.lower().replace(" ", "-"),
+            "title": phrase,
+            "status": exc.status_code,
+            "detail": str(exc.detail),
+        }
+    ).encode()
+    return Response(body, exc.status_code, headers=exc.headers, media_type=MEDIA_TYPE)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from proxy.config import RouteConfig
+from proxy.config import RESERVED_PREFIX, RouteConfig
 from proxy.errors import InvalidPath, RouteNotFound
 
 # Set in the ASGI scope's extensions by ``server.ProxyHttpProtocol`` for a request
@@ -39,7 +39,9 @@ class Router:
         self.routes = sorted(routes, key=lambda r: len(r.path_prefix), reverse=True)
 
     def match(self, path: str) -> RouteConfig:
-        """The route for ``path`` or ``RouteNotFound``."""
+        """The route for ``path`` or ``RouteNotFound`` (never for the proxy's own paths)."""
+        if _under(path, RESERVED_PREFIX):
+            raise RouteNotFound(f"{path} is not one of the proxy's own endpoints")
         for route in self.routes:
             if _under(path, route.path_prefix):
                 return route

@@ -441,6 +441,19 @@ def test_health_and_readiness(make_proxy: ProxyFactory, tool: CountingTool, stor
     assert httpx.get(f"{proxy.url}/_proxy/readyz").status_code == 200
 
 
+def test_the_proxy_namespace_is_never_forwarded(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(route(tool.url, name="root", prefix="/", guarded=False))
+    other = httpx.get(f"{proxy.url}/_proxy/other")
+    assert other.status_code == 404
+    assert problem_type(other) == "route-not-found"
+    wrong_method = httpx.post(f"{proxy.url}/_proxy/healthz")
+    assert wrong_method.status_code == 405
+    assert problem_type(wrong_method) == "method-not-allowed"
+    assert tool.total == 0
+
+
 def test_problem_documents_are_json(tool: CountingTool, make_proxy: ProxyFactory) -> None:
     proxy = make_proxy(route(tool.url))
     response = httpx.post(f"{proxy.url}/tools/x", json=BODY)
