@@ -30,7 +30,7 @@ from proxy.errors import (
     StoreUnavailable,
     UpstreamUnreachable,
 )
-from proxy.forwarding import RawHeaders, Upstream, UpstreamResponse, request_headers
+from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
 from proxy.problems import handle_http_exception, handle_proxy_error, handle_unexpected
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
@@ -60,6 +60,7 @@ class Trace:
 
     route: str | None = None
     key: str | None = None
+    outcome: Outcome = Outcome.REJECTED
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -80,10 +81,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _respond(upstream: UpstreamResponse, headers: RawHeaders, body: bytes, head: bool) -> Response:
+def _respond(upstream: UpstreamResponse, body: bytes, head: bool) -> Response:
     response = Response(body, upstream.status)
     length = upstream.length if head and upstream.length is not None else len(body)
-    response.raw_headers = [*headers, (b"content-length", str(length).encode())]
+    response.raw_headers = [*upstream.headers, (b"content-length", str(length).encode())]
     return response
 
 
@@ -108,19 +109,15 @@ class Proxy:
         """Entry point for every proxied request; logs one ``request`` event."""
         started = time.perf_counter()
         trace = Trace()
-        outcome, status = Outcome.REJECTED, 500
+        status = 500
         try:
-            response, outcome = await self._dispatch(request, trace)
+            response, trace.outcome = await self._dispatch(request, trace)
             status = response.status_code
             return response
         except ProxyError as exc:
             status = exc.status
-            guarded = trace.key is not None
-            outcome = (
-                _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
-                if guarded
-                else (Outcome.REJECTED if exc.status < 500 else Outcome.PASSED)
-            )
+            if trace.key is not None:
+                trace.outcome = _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
             raise
         finally:
             self.log.info(
@@ -129,7 +126,7 @@ class Proxy:
                 path=request.url.path,
                 route=trace.route,
                 key=trace.key,
-                outcome=outcome.value,
+                outcome=trace.outcome.value,
                 status=status,
                 latency_ms=round((time.perf_counter() - started) * 1000, 3),
             )
@@ -148,12 +145,14 @@ class Proxy:
         trace.route = route.name
         guard = self.guards.get(route.name)
         if guard is None or not guard.guards(request.method):
+            trace.outcome = Outcome.PASSED
             return await self._pass_through(request, route), Outcome.PASSED
         body = await read_body(request, self.max_body)
         op = guard.operation(
             request.headers.get("idempotency-key"), body, request.headers.get("content-type")
         )
         if op is None:
+            trace.outcome = Outcome.PASSED
             return await self._exchange(request, route, body), Outcome.PASSED
         trace.key = op.label
         return await guard.run(op, lambda: self._send(request, route, body))
@@ -191,7 +190,7 @@ class Proxy:
     async def _relay(self, request: Request, upstream: UpstreamResponse) -> Response:
         head = request.method == "HEAD"
         if head or (upstream.length is not None and upstream.length <= SMALL_BODY_BYTES):
-            return _respond(upstream, upstream.headers, await upstream.read(), head)
+            return _respond(upstream, await upstream.read(), head)
         response = StreamingResponse(upstream.stream(), upstream.status)
         length = (
             [] if upstream.length is None else [(b"content-length", str(upstream.length).encode())]
