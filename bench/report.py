@@ -149,6 +149,10 @@ def targets_table(results: list[Result], markdown: bool = False) -> str:
     return _table(["target", "measured", "status"], rows, markdown)
 
 
+def _per_request(n: float) -> str:
+    return f"{n:.2f}" if n >= 0.005 else "<0.01"
+
+
 def commands_table(results: list[Result], markdown: bool = False) -> str:
     guarded = [r for r in results if r.commands is not None]
     rows = [
@@ -157,7 +161,7 @@ def commands_table(results: list[Result], markdown: bool = False) -> str:
             str(r.callers),
             f"{r.round_trips or 0.0:.2f}",
             f"{sum((r.commands or {}).values()):.2f}",
-            ", ".join(f"{name} {n:.2f}" for name, n in (r.commands or {}).items()),
+            ", ".join(f"{name} {_per_request(n)}" for name, n in (r.commands or {}).items()),
         ]
         for r in guarded
     ]
@@ -220,7 +224,7 @@ This file is written by `bench/run` (the script, its nginx template and wrk scri
 ## How to run
 
 ```sh
-bench/run                # the full run, about 3 minutes; rewrites this file
+bench/run                # the full run, about 2 minutes; rewrites this file
 bench/run --quick        # 2 s per measurement: a smoke test, leaves this file alone
 bench/run --clients      # only the httpx / aiohttp comparison (printed, not written here)
 bench/run --duration 15 --rounds 3   # longer measurements, medians over 3 rounds
@@ -232,7 +236,7 @@ missing, then runs `.venv/bin/python bench/run.py`. It starts everything itself 
 `redis-server` without persistence, `tool-proxy serve --workers 1`) and stops it at the
 end. It is not part of CI. Raw numbers of every run go to `bench/results/*.json`.
 
-Each measurement is a 1 s warm-up followed by a {duration} s wrk run, at 1 caller
+Each measurement is a 1 s warm-up, then a timed wrk run of {duration} s, at 1 caller
 (`wrk -t1 -c1`) and at 32 callers (`wrk -t2 -c32`).
 
 ## The machine, and why ratios
@@ -244,7 +248,7 @@ plain nginx reverse proxy measured in the same run: `req/s ratio = req/s / nginx
 at the same number of callers.
 
 This run: {date}, commit `{commit}`, {cores} cores, load average at start {load},
-{duration} s per measurement, {rounds} round(s) (medians when more than one).
+{duration} s per measurement, {rounds} round(s) (medians when more than one); {versions}.
 
 ## Scenarios
 

@@ -358,6 +358,16 @@ def git_commit() -> str:
     )
 
 
+def versions() -> str:
+    def first_line(*argv: str) -> str:
+        out = subprocess.run(argv, capture_output=True, text=True)
+        return (out.stdout or out.stderr).strip().splitlines()[0]
+
+    nginx = first_line(shutil.which("nginx") or "/usr/sbin/nginx", "-v").split("/")[-1]
+    redis_server = first_line("redis-server", "--version").split()[2].removeprefix("v=")
+    return f"Python {sys.version.split()[0]}, nginx {nginx}, Redis {redis_server}"
+
+
 def main() -> int:
     args = parse_args()
     started = datetime.now(UTC)
@@ -368,6 +378,7 @@ def main() -> int:
         "rounds": args.rounds,
         "cores": os.cpu_count(),
         "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+        "versions": versions(),
     }
     with tempfile.TemporaryDirectory(prefix="tool-proxy-bench-") as tmp:
         runs = run(args, Path(tmp))
