@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,11 +20,10 @@ from starlette.types import Receive, Scope, Send
 
 from proxy import logs
 from proxy.background import TaskSet
-from proxy.config import Config, RouteConfig, load_config
+from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
 from proxy.errors import (
     BadRequest,
     InvalidPath,
-    MethodNotAllowed,
     OutcomeUnknown,
     ProxyError,
     RequestInProgress,
@@ -32,10 +33,17 @@ from proxy.errors import (
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
-from proxy.problems import handle_http_exception, handle_proxy_error, handle_unexpected
+from proxy.problems import (
+    handle_http_exception,
+    handle_proxy_error,
+    internal_error_response,
+    problem_response,
+)
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
 from proxy.store import Store, make_store
 
+# The proxy's own endpoints live under this path; nothing under it is forwarded.
+ADMIN_PREFIX = RESERVED_PREFIX + "/"
 # Bodies up to this size are read whole (one write upstream); larger ones are streamed.
 SMALL_BODY_BYTES = 64 * 1024
 # How often expired records are deleted from stores that do not expire them themselves.
@@ -44,8 +52,6 @@ SWEEP_INTERVAL_SECONDS = 60.0
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
 SHUTDOWN_GRACE_SECONDS = 5.0
-
-OWN_ENDPOINTS = frozenset({"/_proxy/healthz", "/_proxy/readyz"})
 
 _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
@@ -138,8 +144,6 @@ class Proxy:
                 "absolute-form request targets are refused: this is not a forward proxy"
             )
         path = scope["path"]
-        if path in OWN_ENDPOINTS:
-            raise MethodNotAllowed(f"{path} answers GET and HEAD", headers={"Allow": "GET, HEAD"})
         check_path(path, scope.get("raw_path") or path.encode())
         route = self.router.match(path)
         trace.route = route.name
@@ -200,7 +204,13 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry: every method on every path that is not the proxy's own."""
-        response = await self.handle(Request(scope, receive, send))
+        try:
+            response = await self.handle(Request(scope, receive))
+        except ProxyError as exc:
+            response = problem_response(exc)
+        except Exception:
+            self.log.exception("unexpected_error", path=scope["path"])
+            response = internal_error_response()
         await response(scope, receive, send)
 
     async def healthz(self, request: Request) -> Response:
@@ -211,12 +221,7 @@ class Proxy:
             async with asyncio.timeout(READY_TIMEOUT_SECONDS):
                 await self.store.ping()
         except TimeoutError:
-            raise StoreUnavailable(
-                "the store did not answer in time", headers={"Retry-After": "1"}
-            ) from None
-        except StoreUnavailable as exc:
-            exc.headers.setdefault("Retry-After", "1")
-            raise
+            raise StoreUnavailable("the store did not answer in time") from None
         return JSONResponse({"status": "ready"})
 
 
@@ -232,7 +237,26 @@ async def _sweep_forever(store: Store, log: Any) -> None:
             log.info("swept", records=swept)
 
 
-def create_app(config: Config, *, store: Store | None = None) -> Starlette:
+class App:
+    """The ASGI application.
+
+    Proxied requests go straight to ``Proxy`` (the hot path: no router, no middleware);
+    the proxy's own endpoints under ``/_proxy/`` and the lifespan go through a small
+    Starlette app. Both turn errors into responses with ``problems.py``.
+    """
+
+    def __init__(self, proxy: Proxy, admin: Starlette) -> None:
+        self.proxy = proxy
+        self.admin = admin
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(ADMIN_PREFIX):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.admin(scope, receive, send)
+
+
+def create_app(config: Config, *, store: Store | None = None) -> App:
     """The ASGI application for ``config``; ``store`` overrides ``config.store.url``."""
     tasks = TaskSet()
     upstream = Upstream()
@@ -244,6 +268,8 @@ def create_app(config: Config, *, store: Store | None = None) -> Starlette:
         await proxy.store.open()
         await upstream.start()
         sweeper = asyncio.create_task(_sweep_forever(proxy.store, proxy.log))
+        gc.collect()
+        gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(
             "started",
             routes=[r.name for r in config.routes],
@@ -258,30 +284,26 @@ def create_app(config: Config, *, store: Store | None = None) -> Starlette:
             await upstream.close()
             await proxy.store.close()
 
-    async def on_proxy_error(request: Request, exc: Exception) -> Response:
-        return await handle_proxy_error(request, exc)
-
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         proxy.log.exception("unexpected_error", path=request.url.path)
-        return await handle_unexpected(request, exc)
+        return internal_error_response()
 
-    routes = [
-        Route("/_proxy/healthz", proxy.healthz, methods=["GET", "HEAD"]),
-        Route("/_proxy/readyz", proxy.readyz, methods=["GET", "HEAD"]),
-        Route("/{path:path}", proxy),
-    ]
-    return Starlette(
-        routes=routes,
+    admin = Starlette(
+        routes=[
+            Route(f"{ADMIN_PREFIX}healthz", proxy.healthz, methods=["GET", "HEAD"]),
+            Route(f"{ADMIN_PREFIX}readyz", proxy.readyz, methods=["GET", "HEAD"]),
+        ],
         lifespan=lifespan,
         exception_handlers={
-            ProxyError: on_proxy_error,
+            ProxyError: handle_proxy_error,
             HTTPException: handle_http_exception,
             Exception: on_unexpected,
         },
     )
+    return App(proxy, admin)
 
 
-def app_from_env() -> Starlette:
+def app_from_env() -> App:
     """uvicorn factory: the configuration from ``TOOL_PROXY_CONFIG`` (and env overrides)."""
-    logs.configure()
+    logs.configure(os.environ.get(logs.ENV_LOG_LEVEL, "info"))
     return create_app(load_config())

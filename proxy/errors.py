@@ -13,7 +13,6 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidJSONBody                 400
     │   └── BodyNotCanonicalizable          400
     ├── RouteNotFound                       404
-    ├── MethodNotAllowed                    405  on /_proxy/healthz and /_proxy/readyz
     ├── RequestInProgress                   409
     ├── RequestTooLarge                     413
     ├── UnprocessableKey                    422
@@ -100,14 +99,6 @@ class RouteNotFound(ProxyError):
     status = 404
     slug = "route-not-found"
     title = "No route for this path"
-
-
-class MethodNotAllowed(ProxyError):
-    """The proxy's own endpoints answer GET and HEAD only."""
-
-    status = 405
-    slug = "method-not-allowed"
-    title = "Method not allowed"
 
 
 class RequestInProgress(ProxyError):

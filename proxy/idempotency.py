@@ -69,6 +69,48 @@ class Operation:
     fingerprint: str
 
 
+class Lease:
+    """Renews a claim every lock_ttl/3 until stopped.
+
+    A timer rather than a task: most calls end before the first renewal, and then the
+    lease costs no task at all.
+    """
+
+    def __init__(self, guard: Guard, op: Operation, owner: str) -> None:
+        self._guard = guard
+        self._op = op
+        self._owner = owner
+        self._loop = asyncio.get_running_loop()
+        self._interval = guard.policy.lock_ttl / 3
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(self._interval, self._fire)
+        self._renewing: asyncio.Task[None] | None = None
+
+    def _fire(self) -> None:
+        self._renewing = self._loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        guard, op = self._guard, self._op
+        try:
+            held = await guard.store.renew(op.key, self._owner, guard.policy.lock_ttl)
+        except StoreUnavailable as exc:
+            guard.log.warning(
+                "lease_renewal_failed", route=guard.route.name, key=op.label, error=exc.detail
+            )
+            held = True  # keep trying: the store may be back before the lease ends
+        if not held:
+            guard.log.warning("lease_lost", route=guard.route.name, key=op.label)
+        elif self._timer is not None:
+            self._timer = self._loop.call_later(self._interval, self._fire)
+
+    def stop(self) -> None:
+        """No more renewals."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._renewing is not None:
+            self._renewing.cancel()
+
+
 class Guard:
     """Idempotency for one route."""
 
@@ -152,12 +194,12 @@ class Guard:
     async def _execute(
         self, op: Operation, owner: str, forward: Forward
     ) -> tuple[Response, Outcome]:
-        lease = asyncio.create_task(self._keep_lease(op, owner))
+        lease = Lease(self, op, owner)
         try:
             upstream = await forward()
             body = await upstream.read()
         except UpstreamUnreachable:
-            lease.cancel()
+            lease.stop()
             await self._release(op, owner)
             raise
         except OutcomeUnknown as exc:
@@ -165,29 +207,16 @@ class Guard:
             await self._record(op, owner, State.FAILED, failure, lease)
             return failure.to_response(replayed=False), Outcome.FAILED
         except BaseException:
-            lease.cancel()
+            lease.stop()
             raise
         answer = StoredResponse(upstream.status, upstream.headers, body)
         if upstream.status in self._release_on:
-            lease.cancel()
+            lease.stop()
             await self._release(op, owner)
             return answer.to_response(replayed=False), Outcome.RELEASED
         stored = StoredResponse.of(upstream.status, upstream.headers, body)
         await self._record(op, owner, State.COMPLETED, stored, lease)
         return answer.to_response(replayed=False), Outcome.EXECUTED
-
-    async def _keep_lease(self, op: Operation, owner: str) -> None:
-        """Renew the lease every lock_ttl/3 until cancelled or lost."""
-        while True:
-            await asyncio.sleep(self.policy.lock_ttl / 3)
-            try:
-                if not await self.store.renew(op.key, owner, self.policy.lock_ttl):
-                    self.log.warning("lease_lost", route=self.route.name, key=op.label)
-                    return
-            except StoreUnavailable as exc:
-                self.log.warning(
-                    "lease_renewal_failed", route=self.route.name, key=op.label, error=exc.detail
-                )
 
     async def _release(self, op: Operation, owner: str) -> None:
         try:
@@ -207,7 +236,7 @@ class Guard:
         owner: str,
         state: State,
         stored: StoredResponse,
-        lease: asyncio.Task[None],
+        lease: Lease,
     ) -> None:
         """Record the outcome; if the store is down, keep trying in the background."""
         payload = stored.encode()
@@ -223,7 +252,7 @@ class Guard:
             )
             self.tasks.spawn(self._record_later(op, owner, state, payload, lease))
             return
-        lease.cancel()
+        lease.stop()
 
     async def _complete(self, op: Operation, owner: str, state: State, payload: bytes) -> None:
         done = await self.store.complete(
@@ -238,7 +267,7 @@ class Guard:
             )
 
     async def _record_later(
-        self, op: Operation, owner: str, state: State, payload: bytes, lease: asyncio.Task[None]
+        self, op: Operation, owner: str, state: State, payload: bytes, lease: Lease
     ) -> None:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.policy.lock_ttl
@@ -258,4 +287,4 @@ class Guard:
                 note="the store stayed unreachable for lock_ttl; a retry may re-execute",
             )
         finally:
-            lease.cancel()
+            lease.stop()

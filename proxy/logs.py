@@ -7,6 +7,7 @@ replaced by ``[redacted]`` by :func:`redact`, whatever event it sits in.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import MutableMapping
@@ -14,10 +15,12 @@ from typing import Any
 
 import structlog
 
+ENV_LOG_LEVEL = "TOOL_PROXY_LOG_LEVEL"
 REDACTED = "[redacted]"
 SECRET_WORDS = ("authorization", "cookie", "token", "secret", "password", "api_key", "apikey")
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_secret(name: str) -> bool:
     low = name.lower()
     return any(word in low for word in SECRET_WORDS)
@@ -44,7 +47,6 @@ def configure(level: str = "info") -> None:
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=level.upper())
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             redact,

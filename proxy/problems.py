@@ -47,7 +47,7 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     return Response(body, exc.status_code, headers=exc.headers, media_type=MEDIA_TYPE)
 
 
-async def handle_unexpected(request: Request, exc: Exception) -> Response:
+def internal_error_response() -> Response:
     """Last resort: a bug. The caller gets a problem document, never a traceback."""
     body = json.dumps(
         {

@@ -9,6 +9,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.config import ENV_CONFIG
+from proxy.logs import ENV_LOG_LEVEL
 from proxy.routes import ABSOLUTE_FORM
 
 
@@ -26,9 +27,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
 
-def serve(config_path: str, host: str, port: int, workers: int, log_level: str) -> None:
+def serve(config_path: str | None, host: str, port: int, workers: int, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first."""
-    os.environ[ENV_CONFIG] = os.path.abspath(config_path)
+    if config_path:
+        os.environ[ENV_CONFIG] = os.path.abspath(config_path)
+    os.environ[ENV_LOG_LEVEL] = log_level
     uvicorn.run(
         "proxy.app:app_from_env",
         factory=True,

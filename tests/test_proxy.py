@@ -447,7 +447,10 @@ def test_the_proxy_namespace_is_never_forwarded(
     proxy = make_proxy(route(tool.url, name="root", prefix="/", guarded=False))
     other = httpx.get(f"{proxy.url}/_proxy/other")
     assert other.status_code == 404
-    assert problem_type(other) == "route-not-found"
+    assert problem_type(other) == "not-found"
+    bare = httpx.get(f"{proxy.url}/_proxy")
+    assert bare.status_code == 404
+    assert problem_type(bare) == "route-not-found"
     wrong_method = httpx.post(f"{proxy.url}/_proxy/healthz")
     assert wrong_method.status_code == 405
     assert problem_type(wrong_method) == "method-not-allowed"

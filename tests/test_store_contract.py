@@ -54,6 +54,16 @@ async def test_concurrent_claims_have_exactly_one_winner(store: Store) -> None:
     assert sum(c.claimed for c in claims) == 1
 
 
+async def test_hundreds_of_simultaneous_operations_all_get_an_answer(store: Store) -> None:
+    keys = [RecordKey(f"slot-{i}", "n") for i in range(500)]
+    claims = await asyncio.gather(*(store.claim(k, "fp", "a", LOCK, RESULT) for k in keys))
+    assert all(c.claimed for c in claims)
+    done = await asyncio.gather(
+        *(store.complete(k, "a", "fp", State.COMPLETED, b"x", RESULT) for k in keys)
+    )
+    assert all(done)
+
+
 async def test_complete_then_replay(store: Store) -> None:
     await store.claim(KEY, "fp", "a", LOCK, RESULT)
     assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"payload\x00\xff", RESULT)
