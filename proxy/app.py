@@ -129,7 +129,7 @@ class Proxy:
             self.log.info(
                 "request",
                 method=request.method,
-                path=request.url.path,
+                path=request.scope["path"],
                 route=trace.route,
                 key=trace.key,
                 outcome=trace.outcome.value,
@@ -225,6 +225,12 @@ class Proxy:
         return JSONResponse({"status": "ready"})
 
 
+async def _flush_logs_forever() -> None:
+    while True:
+        await asyncio.sleep(logs.FLUSH_INTERVAL_SECONDS)
+        logs.flush()
+
+
 async def _sweep_forever(store: Store, log: Any) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_SECONDS)
@@ -267,7 +273,10 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await proxy.store.open()
         await upstream.start()
-        sweeper = asyncio.create_task(_sweep_forever(proxy.store, proxy.log))
+        chores = [
+            asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
+            asyncio.create_task(_flush_logs_forever()),
+        ]
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(
@@ -278,11 +287,13 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
         try:
             yield
         finally:
-            sweeper.cancel()
+            for chore in chores:
+                chore.cancel()
             if not await tasks.drain(drain_seconds):
                 proxy.log.error("shutdown_with_calls_in_flight", calls=len(tasks))
             await upstream.close()
             await proxy.store.close()
+            logs.flush()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         proxy.log.exception("unexpected_error", path=request.url.path)

@@ -7,15 +7,19 @@ replaced by ``[redacted]`` by :func:`redact`, whatever event it sits in.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
 ENV_LOG_LEVEL = "TOOL_PROXY_LOG_LEVEL"
+# Log lines are buffered up to this many bytes, and written out at least this often.
+LOG_BUFFER_BYTES = 64 * 1024
+FLUSH_INTERVAL_SECONDS = 0.5
 REDACTED = "[redacted]"
 SECRET_WORDS = ("authorization", "cookie", "token", "secret", "password", "api_key", "apikey")
 
@@ -42,8 +46,33 @@ def _redact(mapping: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     return mapping
 
 
+class LineWriter:
+    """A structlog logger that writes lines to a buffered stream and leaves flushing to
+    :func:`flush` (called every ``FLUSH_INTERVAL_SECONDS`` and at exit): one write system
+    call per buffer instead of one per request."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        self._stream.write(message + "\n")
+
+    debug = info = warning = error = critical = exception = msg
+
+
+_stream: TextIO = sys.stdout
+
+
+def flush() -> None:
+    """Write out buffered log lines."""
+    _stream.flush()
+
+
 def configure(level: str = "info") -> None:
-    """JSON logs on stdout at ``level``."""
+    """JSON logs on stdout at ``level``, buffered (see :class:`LineWriter`)."""
+    global _stream
+    _stream = open(sys.stdout.fileno(), "w", buffering=LOG_BUFFER_BYTES, closefd=False)  # noqa: SIM115
+    atexit.register(flush)
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=level.upper())
     structlog.configure(
         processors=[
@@ -54,7 +83,7 @@ def configure(level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=lambda *args: LineWriter(_stream),
         cache_logger_on_first_use=True,
     )
 
