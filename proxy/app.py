@@ -111,33 +111,32 @@ class Proxy:
         }
         self.max_body = config.limits.max_body_bytes
 
-    async def handle(self, request: Request) -> Response:
-        """Entry point for every proxied request; logs one ``request`` event."""
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry for every proxied request; logs one ``request`` event."""
         started = time.perf_counter()
         trace = Trace()
-        status = 500
         try:
-            response, trace.outcome = await self._dispatch(request, trace)
-            status = response.status_code
-            return response
+            response = await self._dispatch(Request(scope, receive), trace)
         except ProxyError as exc:
-            status = exc.status
             if trace.key is not None:
                 trace.outcome = _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
-            raise
-        finally:
-            self.log.info(
-                "request",
-                method=request.method,
-                path=request.scope["path"],
-                route=trace.route,
-                key=trace.key,
-                outcome=trace.outcome.value,
-                status=status,
-                latency_ms=round((time.perf_counter() - started) * 1000, 3),
-            )
+            response = problem_response(exc)
+        except Exception:
+            self.log.exception("unexpected_error", path=scope["path"])
+            response = internal_error_response()
+        self.log.info(
+            "request",
+            method=scope["method"],
+            path=scope["path"],
+            route=trace.route,
+            key=trace.key,
+            outcome=trace.outcome.value,
+            status=response.status_code,
+            latency_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        await response(scope, receive, send)
 
-    async def _dispatch(self, request: Request, trace: Trace) -> tuple[Response, Outcome]:
+    async def _dispatch(self, request: Request, trace: Trace) -> Response:
         scope = request.scope
         if ABSOLUTE_FORM in scope.get("extensions", {}):
             raise InvalidPath(
@@ -150,16 +149,17 @@ class Proxy:
         guard = self.guards.get(route.name)
         if guard is None or not guard.guards(request.method):
             trace.outcome = Outcome.PASSED
-            return await self._pass_through(request, route), Outcome.PASSED
+            return await self._pass_through(request, route)
         body = await read_body(request, self.max_body)
         op = guard.operation(
             request.headers.get("idempotency-key"), body, request.headers.get("content-type")
         )
         if op is None:
             trace.outcome = Outcome.PASSED
-            return await self._exchange(request, route, body), Outcome.PASSED
+            return await self._relay(request, await self._send(request, route, body))
         trace.key = op.label
-        return await guard.run(op, lambda: self._send(request, route, body))
+        response, trace.outcome = await guard.run(op, lambda: self._send(request, route, body))
+        return response
 
     async def _send(
         self,
@@ -181,15 +181,13 @@ class Proxy:
     async def _pass_through(self, request: Request, route: RouteConfig) -> Response:
         declared = request.headers.get("content-length")
         if declared is None or not declared.isdigit() or int(declared) <= SMALL_BODY_BYTES:
-            return await self._exchange(request, route, await read_body(request, self.max_body))
+            body = await read_body(request, self.max_body)
+            return await self._relay(request, await self._send(request, route, body))
         length = int(declared)
         if length > self.max_body:
             raise RequestTooLarge(f"the body is {length} bytes; the limit is {self.max_body}")
         upstream = await self._send(request, route, request.stream(), length)
         return await self._relay(request, upstream)
-
-    async def _exchange(self, request: Request, route: RouteConfig, body: bytes) -> Response:
-        return await self._relay(request, await self._send(request, route, body))
 
     async def _relay(self, request: Request, upstream: UpstreamResponse) -> Response:
         head = request.method == "HEAD"
@@ -201,17 +199,6 @@ class Proxy:
         )
         response.raw_headers = [*upstream.headers, *length]
         return response
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI entry: every method on every path that is not the proxy's own."""
-        try:
-            response = await self.handle(Request(scope, receive))
-        except ProxyError as exc:
-            response = problem_response(exc)
-        except Exception:
-            self.log.exception("unexpected_error", path=scope["path"])
-            response = internal_error_response()
-        await response(scope, receive, send)
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -10,6 +10,7 @@ connection could be made) and ``OutcomeUnknown`` otherwise (the request may have
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -147,6 +148,11 @@ def _translated() -> Iterator[None]:
         ) from exc
 
 
+@functools.lru_cache(maxsize=64)
+def _timeout(seconds: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=seconds, connect=min(seconds, CONNECT_TIMEOUT))
+
+
 class Upstream:
     """One pooled client for the process."""
 
@@ -178,7 +184,7 @@ class Upstream:
     ) -> UpstreamResponse:
         """Send a request and wait for the headers; the exchange must end within ``seconds``."""
         assert self._session is not None, "Upstream.start() was not awaited"
-        client_timeout = aiohttp.ClientTimeout(total=seconds, connect=min(seconds, CONNECT_TIMEOUT))
+        client_timeout = _timeout(seconds)
         with _translated():
             response = await self._session.request(
                 method,
