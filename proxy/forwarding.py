@@ -11,7 +11,7 @@ connection could be made) and ``OutcomeUnknown`` otherwise (the request may have
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,14 +35,9 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-# Dropped from requests as well: aiohttp sets Host and the framing itself.
-_REQUEST_DROP = HOP_BY_HOP | {
-    b"host",
-    b"content-length",
-    b"x-forwarded-for",
-    b"x-forwarded-proto",
-    b"x-forwarded-host",
-}
+# Dropped from requests as well: aiohttp sets the framing; the proxy sets X-Forwarded-*
+# (Host and X-Forwarded-For are read first, then rewritten).
+_REQUEST_DROP = HOP_BY_HOP | {b"content-length", b"x-forwarded-proto", b"x-forwarded-host"}
 _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 # Idle upstream connections are closed before common servers close them (uvicorn and
 # Node: 5 s), so a request is rarely written into a connection the server is closing.
@@ -62,24 +57,31 @@ def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
     return frozenset(tokens)
 
 
-def filter_headers(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> RawHeaders:
+def filter_headers(headers: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> RawHeaders:
     """Headers without ``drop`` and without the fields that Connection names."""
-    headers = list(headers)
     named = connection_tokens(headers)
-    return [(k, v) for k, v in headers if (low := k.lower()) not in drop and low not in named]
+    if named:
+        drop = drop | named
+    return [(k, v) for k, v in headers if k.lower() not in drop]
 
 
 def request_headers(
-    headers: Iterable[tuple[bytes, bytes]], client: str | None, scheme: str
+    headers: Sequence[tuple[bytes, bytes]], client: str | None, scheme: str
 ) -> CIMultiDict[str]:
-    """What is sent upstream: end-to-end headers plus X-Forwarded-For/Proto/Host."""
-    headers = list(headers)
-    out: CIMultiDict[str] = CIMultiDict(
-        (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in filter_headers(headers, _REQUEST_DROP)
-    )
-    forwarded_for = [v.decode("latin-1") for k, v in headers if k == b"x-forwarded-for"]
-    host = next((v.decode("latin-1") for k, v in headers if k == b"host"), None)
+    """What is sent upstream: end-to-end headers plus X-Forwarded-For/Proto/Host.
+
+    ``headers`` are ASGI headers (names already lower-case).
+    """
+    out: CIMultiDict[str] = CIMultiDict()
+    forwarded_for: list[str] = []
+    host = None
+    for name, value in filter_headers(headers, _REQUEST_DROP):
+        if name == b"x-forwarded-for":
+            forwarded_for.append(value.decode("latin-1"))
+        elif name == b"host":
+            host = value.decode("latin-1")
+        else:
+            out.add(name.decode("latin-1"), value.decode("latin-1"))
     if client:
         forwarded_for.append(client)
     if forwarded_for:
@@ -90,7 +92,7 @@ def request_headers(
     return out
 
 
-def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> RawHeaders:
+def response_headers(headers: Sequence[tuple[bytes, bytes]]) -> RawHeaders:
     """Upstream response headers that may be passed to the caller (framing recomputed)."""
     return filter_headers(headers, _RESPONSE_DROP)
 

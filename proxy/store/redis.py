@@ -78,6 +78,11 @@ return redis.call('DEL', KEYS[1])
 """
 
 
+_SHA = {
+    s: hashlib.sha1(s.encode()).hexdigest() for s in (_CLAIM, _GET, _RENEW, _COMPLETE, _RELEASE)
+}
+
+
 def _ms(seconds: float) -> int:
     return max(int(seconds * 1000), 1)
 
@@ -149,7 +154,7 @@ class RedisStore:
         self._coalescer = Coalescer(self._redis)
 
     async def _script(self, source: str, keys: list[str], *args: Any) -> Any:
-        sha = hashlib.sha1(source.encode()).hexdigest()
+        sha = _SHA[source]
         try:
             try:
                 return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
