@@ -160,12 +160,20 @@ def commands_table(results: list[Result], markdown: bool = False) -> str:
             r.scenario,
             str(r.callers),
             f"{r.round_trips or 0.0:.2f}",
+            f"{r.reads or 0.0:.2f}",
             f"{sum((r.commands or {}).values()):.2f}",
             ", ".join(f"{name} {_per_request(n)}" for name, n in (r.commands or {}).items()),
         ]
         for r in guarded
     ]
-    header = ["scenario", "callers", "round trips/req", "commands/req", "commands/req by name"]
+    header = [
+        "scenario",
+        "callers",
+        "round trips/req",
+        "network reads/req",
+        "commands/req",
+        "commands/req by name",
+    ]
     return _table(header, rows, markdown)
 
 
@@ -276,11 +284,13 @@ socket errors (connect, read, write, timeout).
 {commands}
 
 Counted from the private Redis around each timed run (`INFO stats commandstats` before
-and after, divided by the requests wrk completed). **Round trips** are the requests Redis
-read from the network (`total_reads_processed`, less the `INFO` that took the reading):
-an `EVALSHA` is one, however many commands its script runs. **Commands** are
-`INFO commandstats` calls (without `info`): Redis counts there, as well, every command a
-Lua script runs with `redis.call`, so they are more than the round trips. Requests still
+and after, divided by the requests wrk completed). **Round trips** are the request/reply
+exchanges the proxy made: the commands it sent itself (`EVALSHA`, and `PING`, `SCRIPT`,
+`HELLO` if any), however many commands a script runs. Under load the proxy pipelines
+the commands of concurrent requests (one write, one read for many), so **network
+reads** (`total_reads_processed`, less the `INFO` that took the reading) fall below the
+round trips. **Commands** are all `INFO commandstats` calls (without `info`): Redis
+counts there, as well, every command a Lua script runs with `redis.call`. Requests still
 in flight when wrk stops reach Redis without being counted by wrk, so the ratios can
 exceed the exact value by up to 32 / requests.
 

@@ -59,7 +59,10 @@ class Result:
     p99_ms: float
     errors: int
     round_trips: float | None = None
-    """Redis round trips (requests Redis read from the network) per request."""
+    """Redis round trips per request: the request/reply exchanges the proxy made (EVALSHA
+    and any other command it sent itself), pipelined or not."""
+    reads: float | None = None
+    """Network reads Redis made per request: below round_trips when commands were pipelined."""
     commands: dict[str, float] | None = None
     """Redis commands per request by name (INFO commandstats: includes those run in scripts)."""
 
@@ -208,10 +211,14 @@ def redis_info(client: redis.Redis) -> dict[str, Any]:
     return client.info("stats", "commandstats")
 
 
+# Commands a client sends itself; the others in commandstats ran inside Lua scripts.
+CLIENT_COMMANDS = ("evalsha", "eval", "script", "ping", "hello", "client", "select")
+
+
 def redis_usage(
     before: dict[str, Any], after: dict[str, Any], requests: int
-) -> tuple[float, dict[str, float]]:
-    """Round trips and commands per request between two INFO snapshots."""
+) -> tuple[float, float, dict[str, float]]:
+    """Round trips, network reads and commands per request between two INFO snapshots."""
     # The INFO that took `after` is one of the reads; commandstats lists it as `info`.
     reads = after["total_reads_processed"] - before["total_reads_processed"] - 1
     calls = {
@@ -220,7 +227,8 @@ def redis_usage(
         if name.startswith("cmdstat_") and name != "cmdstat_info"
     }
     per_request = {name: n / requests for name, n in sorted(calls.items()) if n}
-    return reads / requests, per_request
+    trips = sum(n for name, n in calls.items() if name.split("|")[0] in CLIENT_COMMANDS)
+    return trips / requests, reads / requests, per_request
 
 
 def measure(
@@ -242,8 +250,8 @@ def measure(
     )
     if before is not None and store is not None and result.requests:
         time.sleep(SETTLE_SECONDS)
-        trips, commands = redis_usage(before, redis_info(store), result.requests)
-        result = replace(result, round_trips=trips, commands=commands)
+        trips, reads, commands = redis_usage(before, redis_info(store), result.requests)
+        result = replace(result, round_trips=trips, reads=reads, commands=commands)
     print(f"  {report.text_row(result)}", flush=True)
     return result
 
@@ -251,6 +259,7 @@ def measure(
 def median(results: list[Result]) -> Result:
     """The median of every rate over rounds (requests and errors are summed)."""
     trips = [r.round_trips for r in results if r.round_trips is not None]
+    reads = [r.reads for r in results if r.reads is not None]
     commands = [r.commands for r in results if r.commands is not None]
     names = sorted({name for c in commands for name in c})
     return replace(
@@ -261,6 +270,7 @@ def median(results: list[Result]) -> Result:
         p99_ms=statistics.median(r.p99_ms for r in results),
         errors=sum(r.errors for r in results),
         round_trips=statistics.median(trips) if trips else None,
+        reads=statistics.median(reads) if reads else None,
         commands={n: statistics.median(c.get(n, 0.0) for c in commands) for n in names}
         if commands
         else None,
