@@ -286,6 +286,13 @@ class ProxyProcess:
         self.process = None
         return code
 
+    def kill(self) -> None:
+        """SIGKILL: the proxy dies mid-work, as on a lost node."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(10)
+        self.process = None
+
     def events(self) -> list[dict[str, Any]]:
         lines = self.log_path.read_text().splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, RedisServer, free_port
+from tests.servers import CountingTool, ProxyProcess, RedisServer, free_port, wait_for
 
 BODY = {"op": "charge"}
 
@@ -69,3 +71,34 @@ def test_outcome_is_recorded_after_the_store_comes_back(
         assert tool.count(key) == 1
     finally:
         redis.stop()
+
+
+def test_a_dead_proxy_holds_the_key_for_lock_ttl_only(tool: CountingTool, tmp_path: Path) -> None:
+    """The documented trade-off: after a crash, the lease expires and a retry executes."""
+    config = {
+        "store": {"url": f"sqlite://{tmp_path}/state.db"},
+        "routes": [route(tool.url, lock_ttl="1.5s")],
+    }
+    first = ProxyProcess(config, tmp_path).start()
+    key = new_key(BODY)
+    url = "/tools/a?delay=3"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            httpx.post, first.url + url, json=BODY, headers={"Idempotency-Key": key}, timeout=30
+        )
+        time.sleep(0.5)  # the tool is working on it
+        first.kill()
+        with pytest.raises(httpx.HTTPError):
+            pending.result()
+    second = ProxyProcess(config, tmp_path).start()
+    try:
+        held = httpx.post(second.url + url, json=BODY, headers={"Idempotency-Key": key})
+        assert held.status_code == 409  # the dead proxy's lease still runs
+        time.sleep(1.6)
+        again = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+        assert again.status_code == 200
+        assert "idempotent-replayed" not in again.headers
+        # The tool ran the step twice: the crashed proxy's call finished, unrecorded.
+        wait_for(lambda: tool.count(key) == 2, what="both executions")
+    finally:
+        second.stop()
