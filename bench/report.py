@@ -316,4 +316,14 @@ that forwards every request to the same nginx upstream with one shared client: a
 aiohttp serves {speedup} the requests per second of httpx here. The issue that led to the
 choice reported about 500 req/s (p50 57 ms) for httpx and 5,500 req/s (p50 5 ms) for
 aiohttp on this kind of machine; the table above is this run's own measurement.
+
+pyreqwest (Rust's reqwest and hyper behind a Python API) was tried as well, once, on
+2026-11-29, and is not part of this script. Alone in a process, 32 concurrent requests to
+the same nginx upstream, it did about twice aiohttp's requests per second (about 36,000
+against 18,000, and 31 to 36 µs of CPU per request against 53 to 58). Inside tool-proxy,
+where its Tokio thread competes for the two cores with the event loop, wrk, nginx and
+Redis, first executions fell from about 4,300 to 1,900 req/s and pass-through from about
+7,000 to 4,500, and its errors did not tell a request that was never sent from one whose
+answer was lost (a timeout while waiting for the answer came as a `ConnectTimeoutError`).
+aiohttp stays.
 """

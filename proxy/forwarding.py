@@ -44,7 +44,7 @@ _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 KEEPALIVE_TIMEOUT = 4.0
 # Connections per upstream host; beyond it requests wait for a free connection.
 CONNECTIONS_PER_HOST = 256
-# How long connecting (or waiting for a pooled connection) may take, at most.
+# How long opening a new upstream connection may take, at most.
 CONNECT_TIMEOUT = 10.0
 
 
@@ -152,7 +152,9 @@ def _translated() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=64)
 def _timeout(seconds: float) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=seconds, connect=min(seconds, CONNECT_TIMEOUT))
+    # sock_connect, not connect: a pooled connection is then taken without a timer of
+    # its own (the total still bounds the wait); a new one must connect in time.
+    return aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, CONNECT_TIMEOUT))
 
 
 class Upstream:
