@@ -141,6 +141,10 @@ class Coalescer:
             replies = await pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as exc:
             replies = [exc] * len(batch)
+        except BaseException:  # cancelled (shutdown): nobody may wait forever
+            for _, future in batch:
+                future.cancel()
+            raise
         finally:
             self._next()
         for (_, future), reply in zip(batch, replies, strict=True):
