@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import time
 from pathlib import Path
 
@@ -102,3 +103,30 @@ def test_a_dead_proxy_holds_the_key_for_lock_ttl_only(tool: CountingTool, tmp_pa
         wait_for(lambda: tool.count(key) == 2, what="both executions")
     finally:
         second.stop()
+
+
+def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_path: Path) -> None:
+    config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
+    first = ProxyProcess(config, tmp_path).start()
+    key = new_key(BODY)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            httpx.post,
+            first.url + "/tools/a?delay=1.5",
+            json=BODY,
+            headers={"Idempotency-Key": key},
+            timeout=30,
+        )
+        time.sleep(0.5)
+        # SIGTERM; uvicorn re-raises it once the graceful shutdown is over
+        assert first.stop() in (0, -signal.SIGTERM)
+        answer = pending.result()
+    assert answer.status_code == 200
+    second = ProxyProcess(config, tmp_path).start()
+    try:
+        replay = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+    finally:
+        second.stop()
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == answer.content
+    assert tool.count(key) == 1
