@@ -28,11 +28,13 @@ from proxy.errors import (
     ProxyError,
     RequestInProgress,
     RequestTooLarge,
+    StoredResponseUnavailable,
     StoreUnavailable,
     UpstreamUnreachable,
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
+from proxy.offload import Offload
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
@@ -57,6 +59,7 @@ _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
     UpstreamUnreachable: Outcome.RELEASED,
     OutcomeUnknown: Outcome.FAILED,
+    StoredResponseUnavailable: Outcome.FAILED,
 }
 
 
@@ -104,8 +107,9 @@ class Proxy:
         self.tasks = tasks
         self.log = logs.get_logger()
         self.router = Router(config.routes)
+        offload = Offload(config.offload) if config.offload else None
         self.guards = {
-            r.name: Guard(r, r.idempotency, store, tasks, self.log)
+            r.name: Guard(r, r.idempotency, store, tasks, self.log, offload)
             for r in config.routes
             if r.idempotency is not None
         }

@@ -44,6 +44,8 @@ DEFAULT_LOCK_TTL = 120.0
 DEFAULT_RESULT_TTL = 24 * 3600.0
 # Retry-After sent with a 409 (capped by the time left on the lease).
 DEFAULT_RETRY_AFTER = 5.0
+# Response bodies above this go to object storage when `offload` is configured.
+DEFAULT_OFFLOAD_THRESHOLD = 100 * 1024
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 
@@ -58,6 +60,7 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _METHOD = re.compile(r"[A-Z]{1,20}")
 _STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss")
+_OFFLOAD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "file", "memory")
 
 
 def parse_duration(value: Any) -> float:
@@ -193,10 +196,31 @@ class RouteConfig(_Strict):
         return upstream.rstrip("/")
 
 
+class OffloadConfig(_Strict):
+    """Object storage for large response bodies (the claim check)."""
+
+    url: str
+    threshold_bytes: int = Field(default=DEFAULT_OFFLOAD_THRESHOLD, ge=0)
+    endpoint_url: str | None = None
+    region: str | None = None
+    allow_http: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in _OFFLOAD_SCHEMES:
+            raise ValueError(
+                "must be s3://bucket/prefix, gs://..., az://..., file:///dir or memory://"
+            )
+        return url
+
+
 class Config(_Strict):
     """The whole file."""
 
     store: StoreConfig = StoreConfig()
+    offload: OffloadConfig | None = None
     server: ServerConfig = ServerConfig()
     limits: LimitsConfig = LimitsConfig()
     routes: tuple[RouteConfig, ...] = Field(min_length=1)

@@ -20,6 +20,8 @@ talks to the foreign library, with ``raise ... from exc``.
     │   └── KeyReusedWithOtherBody          422  opaque key sent again with another body
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
     ├── OutcomeUnknown                      502/504  the request was sent, the answer was lost
+    ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
+    ├── OffloadUnavailable                  503  the object store refused a body (internal)
     ├── StoreUnavailable                    503
     └── StoreError                          500  the store answered something it should not
 
@@ -163,6 +165,22 @@ class OutcomeUnknown(ProxyError):
     ) -> None:
         super().__init__(detail, headers=headers)
         self.status = status
+
+
+class StoredResponseUnavailable(ProxyError):
+    """An offloaded response body is missing or does not match its digest."""
+
+    status = 502
+    slug = "stored-response-unavailable"
+    title = "Stored response unavailable"
+
+
+class OffloadUnavailable(ProxyError):
+    """The object store could not take a large body (the proxy then stores it inline)."""
+
+    status = 503
+    slug = "offload-unavailable"
+    title = "Object store unavailable"
 
 
 class StoreUnavailable(ProxyError):

@@ -25,18 +25,21 @@ from typing import Any
 from starlette.responses import Response
 
 from proxy.background import TaskSet
-from proxy.config import IdempotencyConfig, RouteConfig
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, RouteConfig
 from proxy.errors import (
     ArgsHashMismatch,
     KeyReusedWithOtherBody,
     MissingIdempotencyKey,
+    OffloadUnavailable,
     OutcomeUnknown,
     RequestInProgress,
+    StoredResponseUnavailable,
     StoreUnavailable,
     UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
+from proxy.offload import Offload
 from proxy.outcome import StoredResponse
 from proxy.store import Record, RecordKey, State, Store
 
@@ -115,9 +118,17 @@ class Guard:
     """Idempotency for one route."""
 
     def __init__(
-        self, route: RouteConfig, policy: IdempotencyConfig, store: Store, tasks: TaskSet, log: Any
+        self,
+        route: RouteConfig,
+        policy: IdempotencyConfig,
+        store: Store,
+        tasks: TaskSet,
+        log: Any,
+        offload: Offload | None = None,
     ) -> None:
         self.route = route
+        self.offload = offload
+        self._warned_large = False
         self.policy = policy
         self.store = store
         self.tasks = tasks
@@ -164,9 +175,9 @@ class Guard:
             )
             if claim.record is None:
                 break
-            response = self._existing(op, claim.record, deadline - loop.time())
-            if response is not None:
-                return response, Outcome.REPLAYED
+            stored = self._existing(op, claim.record, deadline - loop.time())
+            if stored is not None:
+                return await self._replay(op, stored), Outcome.REPLAYED
             await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
         if claim.previous is not None:
             self.log.info(
@@ -175,14 +186,14 @@ class Guard:
         task = self.tasks.spawn(self._execute(op, owner, forward))
         return await asyncio.shield(task)
 
-    def _existing(self, op: Operation, record: Record, wait_left: float) -> Response | None:
-        """A replay, or None to wait more; raises 422 or 409."""
+    def _existing(self, op: Operation, record: Record, wait_left: float) -> StoredResponse | None:
+        """The outcome to replay, or None to wait more; raises 422 or 409."""
         if record.fingerprint != op.fingerprint:
             raise KeyReusedWithOtherBody(
                 "this Idempotency-Key was first used with a different request body"
             )
         if record.state is not State.IN_PROGRESS:
-            return StoredResponse.decode(record.payload).to_response(replayed=True)
+            return StoredResponse.decode(record.payload)
         if wait_left > 0:
             return None
         retry_after = max(1, math.ceil(min(self.policy.retry_after, record.ttl)))
@@ -190,6 +201,49 @@ class Guard:
             "a request with this Idempotency-Key is being executed; retry later",
             headers={"Retry-After": str(retry_after)},
         )
+
+    async def _replay(self, op: Operation, stored: StoredResponse) -> Response:
+        ref = stored.ref
+        if ref is not None:
+            try:
+                if self.offload is None:
+                    raise StoredResponseUnavailable(
+                        "the response body was offloaded, but no object store is configured now"
+                    )
+                stored = stored.with_body(await self.offload.get(ref))
+            except StoredResponseUnavailable as exc:
+                self.log.error(
+                    "stored_response_unavailable",
+                    route=self.route.name,
+                    key=op.label,
+                    object=ref.path,
+                    error=exc.detail,
+                )
+                raise
+        return stored.to_response(replayed=True)
+
+    async def _offload(self, stored: StoredResponse) -> StoredResponse:
+        """The outcome to record: a large body goes to object storage when it can."""
+        size = len(stored.body)
+        if self.offload is None:
+            if size > DEFAULT_OFFLOAD_THRESHOLD and not self._warned_large:
+                self._warned_large = True
+                self.log.warning(
+                    "large_response_stored_inline",
+                    route=self.route.name,
+                    bytes=size,
+                    note="configure offload to keep the store small",
+                )
+            return stored
+        if not self.offload.wants(size):
+            return stored
+        try:
+            return stored.offloaded(await self.offload.put(self.route.name, stored.body))
+        except OffloadUnavailable as exc:
+            self.log.warning(
+                "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
+            )
+            return stored
 
     async def _execute(
         self, op: Operation, owner: str, forward: Forward
@@ -214,7 +268,7 @@ class Guard:
             lease.stop()
             await self._release(op, owner)
             return answer.to_response(replayed=False), Outcome.RELEASED
-        stored = StoredResponse.of(upstream.status, upstream.headers, body)
+        stored = await self._offload(StoredResponse.of(upstream.status, upstream.headers, body))
         await self._record(op, owner, State.COMPLETED, stored, lease)
         return answer.to_response(replayed=False), Outcome.EXECUTED
 

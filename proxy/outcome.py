@@ -6,12 +6,13 @@ Encoding: one line of JSON metadata, a newline, then the body bytes untouched.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.responses import Response
 
 from proxy.errors import ProxyError, StoreError
 from proxy.forwarding import RawHeaders
+from proxy.offload import ObjectRef
 from proxy.problems import MEDIA_TYPE, problem_body
 
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
@@ -27,6 +28,16 @@ class StoredResponse:
     status: int
     headers: RawHeaders
     body: bytes
+    ref: ObjectRef | None = None
+    """Set when the body lives in object storage (``body`` is then empty)."""
+
+    def offloaded(self, ref: ObjectRef) -> StoredResponse:
+        """This response with its body replaced by a pointer."""
+        return replace(self, body=b"", ref=ref)
+
+    def with_body(self, body: bytes) -> StoredResponse:
+        """This response with its body fetched back."""
+        return replace(self, body=body, ref=None)
 
     @classmethod
     def of(cls, status: int, headers: RawHeaders, body: bytes) -> StoredResponse:
@@ -40,11 +51,17 @@ class StoredResponse:
         return cls(exc.status, [(b"content-type", MEDIA_TYPE.encode())], problem_body(exc))
 
     def encode(self) -> bytes:
-        meta = {
+        meta: dict[str, object] = {
             "v": _VERSION,
             "status": self.status,
             "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in self.headers],
         }
+        if self.ref is not None:
+            meta["object"] = {
+                "path": self.ref.path,
+                "size": self.ref.size,
+                "sha256": self.ref.sha256,
+            }
         return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
 
     @classmethod
@@ -53,7 +70,9 @@ class StoredResponse:
         try:
             meta = json.loads(meta_line)
             headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
-            return cls(int(meta["status"]), headers, body)
+            obj = meta.get("object")
+            ref = None if obj is None else ObjectRef(obj["path"], int(obj["size"]), obj["sha256"])
+            return cls(int(meta["status"]), headers, body, ref)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError("a stored outcome is malformed") from exc
 

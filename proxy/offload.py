@@ -1,0 +1,95 @@
+"""Claim check: response bodies above a threshold live in object storage.
+
+The store keeps only a pointer (object path, size, SHA-256); a replay reads the body back
+and checks its digest, so a missing or altered object is a clear 502, never a wrong body.
+obstore gives one async API over S3, GCS, Azure, local files and memory; credentials,
+region and endpoint come from the usual environment variables (AWS_*, GOOGLE_*,
+AZURE_*) or from ``offload`` in the configuration.
+
+Objects are written create-only under ``<prefix>/<route>/<random>``: unguessable, and
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import obstore
+from obstore.exceptions import BaseError, NotFoundError
+from obstore.store import from_url
+
+from proxy.config import OffloadConfig
+from proxy.errors import OffloadUnavailable, StoredResponseUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRef:
+    """Where an offloaded body is, and what it must hash to."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+def _store_options(config: OffloadConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if config.endpoint_url:
+        options["config"] = {"endpoint": config.endpoint_url}
+    if config.region:
+        options.setdefault("config", {})["region"] = config.region
+    if config.allow_http:
+        options["client_options"] = {"allow_http": True}
+    return options
+
+
+class Offload:
+    """Puts, gets and deletes offloaded bodies."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.url = config.url
+        self.threshold = config.threshold_bytes
+        self._store = from_url(config.url, **_store_options(config))
+
+    def wants(self, size: int) -> bool:
+        """True if a body of ``size`` bytes goes to object storage."""
+        return size > self.threshold
+
+    async def put(self, route: str, body: bytes) -> ObjectRef:
+        """Write ``body`` create-only under a new unguessable name."""
+        path = f"{route}/{secrets.token_hex(16)}"
+        try:
+            await obstore.put_async(self._store, path, body, mode="create")
+        except (BaseError, OSError) as exc:
+            raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
+        return ObjectRef(path, len(body), hashlib.sha256(body).hexdigest())
+
+    async def get(self, ref: ObjectRef) -> bytes:
+        """The body, checked against its size and digest."""
+        try:
+            result = await obstore.get_async(self._store, ref.path)
+            body = bytes(await result.bytes_async())
+        except (NotFoundError, FileNotFoundError) as exc:
+            raise StoredResponseUnavailable(
+                f"the stored response body {ref.path} is missing from the object store"
+            ) from exc
+        except (BaseError, OSError) as exc:
+            raise StoredResponseUnavailable(
+                f"the object store could not return {ref.path}: {exc}"
+            ) from exc
+        if len(body) != ref.size or hashlib.sha256(body).hexdigest() != ref.sha256:
+            raise StoredResponseUnavailable(
+                f"the stored response body {ref.path} does not match its recorded digest"
+            )
+        return body
+
+    async def delete(self, ref: ObjectRef) -> None:
+        """Remove an object (gone already is fine)."""
+        try:
+            await obstore.delete_async(self._store, ref.path)
+        except (NotFoundError, FileNotFoundError):
+            return
+        except (BaseError, OSError) as exc:
+            raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc

@@ -1,0 +1,170 @@
+"""Large responses in object storage: a real S3 (moto's server), local files, memory."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import pytest
+from moto.server import ThreadedMotoServer
+
+from proxy.store import RecordKey, make_store
+from tests.conftest import ProxyFactory, new_key, route
+from tests.servers import CountingTool, free_port
+
+BUCKET = "tool-proxy-test"
+BODY = {"report": "big"}
+
+
+class S3:
+    """moto's S3 server on a free port, with one bucket."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> Any:
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def keys(self) -> list[str]:
+        listing = self.client().list_objects_v2(Bucket=BUCKET)
+        return [item["Key"] for item in listing.get("Contents", [])]
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = S3()
+    server.server.start()
+    httpx.post(f"{server.endpoint}/moto-api/reset")  # moto's state is per process
+    server.client().create_bucket(Bucket=BUCKET)
+    yield server
+    server.server.stop()
+
+
+def s3_offload(s3: S3, threshold: int = 1024) -> dict[str, Any]:
+    return {
+        "url": f"s3://{BUCKET}/responses",
+        "threshold_bytes": threshold,
+        "endpoint_url": s3.endpoint,
+        "region": "us-east-1",
+        "allow_http": True,
+    }
+
+
+def expected(size: int) -> bytes:
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+def call(url: str, key: str) -> httpx.Response:
+    return httpx.post(url, json=BODY, headers={"Idempotency-Key": key}, timeout=60)
+
+
+def stored_payload(store_url: str, key: str) -> bytes:
+    plan, step, args_hash = key.split(":")
+
+    async def read() -> bytes:
+        store = make_store(store_url)
+        await store.open()
+        record = await store.get(RecordKey(f"tool||{plan}|{step}", args_hash))
+        await store.close()
+        assert record is not None
+        return record.payload
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("size", [1024 - 50, 150 * 1024, 5 * 1024 * 1024])
+def test_s3_replays_byte_for_byte(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3, tmp_path: Path, size: int
+) -> None:
+    store_url = f"sqlite://{tmp_path}/state.db"
+    proxy = make_proxy(route(tool.url), store=store_url, offload=s3_offload(s3))
+    key = new_key(BODY)
+    first = call(f"{proxy.url}/tools/big?size={size}", key)
+    replay = call(f"{proxy.url}/tools/big?size={size}", key)
+    assert first.content == replay.content == expected(size)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.headers["content-length"] == str(size)
+    assert tool.count(key) == 1
+    payload = stored_payload(store_url, key)
+    if size > 1024:
+        assert len(payload) < 1024  # only the pointer is in the store
+        [object_key] = s3.keys()
+        assert object_key.startswith("responses/tool/")
+        assert hashlib.sha256(expected(size)).hexdigest().encode() in payload
+    else:
+        assert s3.keys() == []
+        assert payload.endswith(expected(size))
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_local_backends(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Path, backend: str
+) -> None:
+    url = f"file://{tmp_path}/objects" if backend == "file" else "memory://"
+    if backend == "file":
+        (tmp_path / "objects").mkdir()
+    proxy = make_proxy(route(tool.url), offload={"url": url, "threshold_bytes": 100})
+    key = new_key(BODY)
+    first = call(f"{proxy.url}/tools/big?size=200000", key)
+    replay = call(f"{proxy.url}/tools/big?size=200000", key)
+    assert first.content == replay.content == expected(200000)
+    if backend == "file":
+        files = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
+        assert len(files) == 1 and files[0].read_bytes() == expected(200000)
+
+
+def test_object_deleted_behind_the_proxys_back_is_a_502(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+) -> None:
+    proxy = make_proxy(route(tool.url), offload=s3_offload(s3))
+    key = new_key(BODY)
+    assert call(f"{proxy.url}/tools/big?size=5000", key).status_code == 200
+    [object_key] = s3.keys()
+    s3.client().delete_object(Bucket=BUCKET, Key=object_key)
+    replay = call(f"{proxy.url}/tools/big?size=5000", key)
+    assert replay.status_code == 502
+    assert replay.headers["content-type"] == "application/problem+json"
+    assert replay.json()["type"].endswith("stored-response-unavailable")
+    assert tool.count(key) == 1  # never executed again
+
+
+def test_corrupt_object_is_a_502_never_a_wrong_body(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+) -> None:
+    proxy = make_proxy(route(tool.url), offload=s3_offload(s3))
+    key = new_key(BODY)
+    assert call(f"{proxy.url}/tools/big?size=5000", key).status_code == 200
+    [object_key] = s3.keys()
+    s3.client().put_object(Bucket=BUCKET, Key=object_key, Body=b"x" * 5000)
+    replay = call(f"{proxy.url}/tools/big?size=5000", key)
+    assert replay.status_code == 502
+    assert b"x" * 100 not in replay.content
+
+
+def test_object_store_down_while_recording_keeps_the_outcome_inline(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3, tmp_path: Path
+) -> None:
+    store_url = f"sqlite://{tmp_path}/state.db"
+    proxy = make_proxy(route(tool.url), store=store_url, offload=s3_offload(s3))
+    s3.server.stop()
+    key = new_key(BODY)
+    first = call(f"{proxy.url}/tools/big?size=5000", key)
+    replay = call(f"{proxy.url}/tools/big?size=5000", key)
+    assert first.status_code == replay.status_code == 200
+    assert replay.content == first.content == expected(5000)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+    assert stored_payload(store_url, key).endswith(expected(5000))
+    s3.server.start()  # the fixture stops it again
