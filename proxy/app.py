@@ -24,6 +24,7 @@ from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
 from proxy.errors import (
     BadRequest,
     InvalidPath,
+    OffloadUnavailable,
     OutcomeUnknown,
     ProxyError,
     RequestInProgress,
@@ -50,6 +51,10 @@ ADMIN_PREFIX = RESERVED_PREFIX + "/"
 SMALL_BODY_BYTES = 64 * 1024
 # How often expired records are deleted from stores that do not expire them themselves.
 SWEEP_INTERVAL_SECONDS = 60.0
+# How often offloaded objects of expired records are looked for, and the margin beyond
+# the longest result_ttl after which an object can have no record left.
+OBJECT_SWEEP_INTERVAL_SECONDS = 600.0
+OBJECT_SWEEP_MARGIN_SECONDS = 3600.0
 # readyz gives up on the store after this long.
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
@@ -107,9 +112,9 @@ class Proxy:
         self.tasks = tasks
         self.log = logs.get_logger()
         self.router = Router(config.routes)
-        offload = Offload(config.offload) if config.offload else None
+        self.offload = Offload(config.offload) if config.offload else None
         self.guards = {
-            r.name: Guard(r, r.idempotency, store, tasks, self.log, offload)
+            r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload)
             for r in config.routes
             if r.idempotency is not None
         }
@@ -235,6 +240,18 @@ async def _sweep_forever(store: Store, log: Any) -> None:
             log.info("swept", records=swept)
 
 
+async def _sweep_objects_forever(offload: Offload, older_than: float, log: Any) -> None:
+    while True:
+        await asyncio.sleep(OBJECT_SWEEP_INTERVAL_SECONDS)
+        try:
+            swept = await offload.sweep(older_than)
+        except OffloadUnavailable as exc:
+            log.warning("object_sweep_failed", error=exc.detail)
+            continue
+        if swept:
+            log.info("objects_swept", objects=swept)
+
+
 class App:
     """The ASGI application.
 
@@ -269,6 +286,14 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
             asyncio.create_task(_flush_logs_forever()),
         ]
+        if proxy.offload is not None:
+            keep = max(
+                (r.idempotency.result_ttl for r in config.routes if r.idempotency), default=0.0
+            )
+            sweep = _sweep_objects_forever(
+                proxy.offload, keep + OBJECT_SWEEP_MARGIN_SECONDS, proxy.log
+            )
+            chores.append(asyncio.create_task(sweep))
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(

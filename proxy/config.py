@@ -131,6 +131,7 @@ class IdempotencyConfig(_Strict):
     retry_after: Duration = DEFAULT_RETRY_AFTER
     conflict_wait: Wait = 0.0
     release_on_status: tuple[int, ...] = DEFAULT_RELEASE_ON_STATUS
+    max_stored_bytes: int | None = Field(default=None, ge=0)
 
     @field_validator("methods")
     @classmethod

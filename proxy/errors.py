@@ -14,6 +14,7 @@ talks to the foreign library, with ``raise ... from exc``.
     │   └── BodyNotCanonicalizable          400
     ├── RouteNotFound                       404
     ├── RequestInProgress                   409
+    ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
     ├── RequestTooLarge                     413
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
@@ -109,6 +110,14 @@ class RequestInProgress(ProxyError):
     status = 409
     slug = "request-in-progress"
     title = "A request with this Idempotency-Key is in progress"
+
+
+class ResponseNotStored(ProxyError):
+    """The call executed, but its response was larger than max_stored_bytes: not replayable."""
+
+    status = 410
+    slug = "response-not-stored"
+    title = "The response of this call was not stored"
 
 
 class RequestTooLarge(ProxyError):

@@ -33,6 +33,7 @@ from proxy.errors import (
     OffloadUnavailable,
     OutcomeUnknown,
     RequestInProgress,
+    ResponseNotStored,
     StoredResponseUnavailable,
     StoreUnavailable,
     UpstreamUnreachable,
@@ -222,9 +223,19 @@ class Guard:
                 raise
         return stored.to_response(replayed=True)
 
-    async def _offload(self, stored: StoredResponse) -> StoredResponse:
-        """The outcome to record: a large body goes to object storage when it can."""
+    async def _storable(self, stored: StoredResponse) -> StoredResponse:
+        """The outcome to record: a large body goes to object storage when it can; one
+        above max_stored_bytes is replaced by a problem (the call is never re-run)."""
         size = len(stored.body)
+        limit = self.policy.max_stored_bytes
+        if limit is not None and size > limit:
+            self.log.warning("response_not_stored", route=self.route.name, bytes=size)
+            return StoredResponse.of_problem(
+                ResponseNotStored(
+                    f"the call was executed once; its {size}-byte response was above this "
+                    f"route's max_stored_bytes ({limit}) and cannot be replayed"
+                )
+            )
         if self.offload is None:
             if size > DEFAULT_OFFLOAD_THRESHOLD and not self._warned_large:
                 self._warned_large = True
@@ -268,7 +279,7 @@ class Guard:
             lease.stop()
             await self._release(op, owner)
             return answer.to_response(replayed=False), Outcome.RELEASED
-        stored = await self._offload(StoredResponse.of(upstream.status, upstream.headers, body))
+        stored = await self._storable(StoredResponse.of(upstream.status, upstream.headers, body))
         await self._record(op, owner, State.COMPLETED, stored, lease)
         return answer.to_response(replayed=False), Outcome.EXECUTED
 

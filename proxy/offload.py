@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import obstore
@@ -84,6 +85,23 @@ class Offload:
                 f"the stored response body {ref.path} does not match its recorded digest"
             )
         return body
+
+    async def sweep(self, older_than: float) -> int:
+        """Delete objects last written more than ``older_than`` seconds ago; return how many.
+
+        Every record that points at such an object has expired (``older_than`` is the
+        longest result_ttl plus a margin), so nothing can replay it any more.
+        """
+        cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
+        stale: list[str] = []
+        try:
+            async for chunk in obstore.list(self._store, chunk_size=1000):
+                stale.extend(meta["path"] for meta in chunk if meta["last_modified"] < cutoff)
+            if stale:
+                await obstore.delete_async(self._store, stale)
+        except (BaseError, OSError) as exc:
+            raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
+        return len(stale)
 
     async def delete(self, ref: ObjectRef) -> None:
         """Remove an object (gone already is fine)."""

@@ -168,3 +168,46 @@ def test_object_store_down_while_recording_keeps_the_outcome_inline(
     assert tool.count(key) == 1
     assert stored_payload(store_url, key).endswith(expected(5000))
     s3.server.start()  # the fixture stops it again
+
+
+def test_response_above_max_stored_bytes_executes_once_and_is_not_replayed(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(route(tool.url, max_stored_bytes=10_000))
+    key = new_key(BODY)
+    first = call(f"{proxy.url}/tools/big?size=20000", key)
+    retry = call(f"{proxy.url}/tools/big?size=20000", key)
+    small_key = new_key(BODY, step=2)
+    small = call(f"{proxy.url}/tools/big?size=5000", small_key)
+    small_retry = call(f"{proxy.url}/tools/big?size=5000", small_key)
+    assert first.status_code == 200 and first.content == expected(20000)
+    assert retry.status_code == 410
+    assert retry.json()["type"].endswith("response-not-stored")
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert small_retry.content == small.content == expected(5000)
+    assert tool.count(key) == 1
+
+
+def test_sweep_removes_objects_older_than_every_record(tmp_path: Path, s3: S3) -> None:
+    import os
+    import time
+
+    from proxy.config import OffloadConfig
+    from proxy.offload import Offload
+
+    async def run(offload: Offload) -> tuple[int, int]:
+        old = await offload.put("tool", b"old")
+        await offload.put("tool", b"new")
+        if offload.url.startswith("file://"):
+            path = tmp_path / "objects" / old.path
+            os.utime(path, (time.time() - 7200, time.time() - 7200))
+            return await offload.sweep(3600), await offload.sweep(3600)
+        return await offload.sweep(3600), await offload.sweep(0)
+
+    (tmp_path / "objects").mkdir()
+    local = Offload(OffloadConfig(url=f"file://{tmp_path}/objects"))
+    assert asyncio.run(run(local)) == (1, 0)
+    assert [p.name for p in (tmp_path / "objects" / "tool").iterdir()] != []
+    remote = Offload(OffloadConfig(**s3_offload(s3)))
+    assert asyncio.run(run(remote)) == (0, 2)
+    assert s3.keys() == []
