@@ -17,12 +17,12 @@ import asyncio
 import hashlib
 import math
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from proxy.background import TaskSet
 from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, RouteConfig
@@ -40,7 +40,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
-from proxy.offload import Offload
+from proxy.offload import ObjectRef, Offload
 from proxy.outcome import StoredResponse
 from proxy.store import Record, RecordKey, State, Store
 
@@ -205,23 +205,44 @@ class Guard:
 
     async def _replay(self, op: Operation, stored: StoredResponse) -> Response:
         ref = stored.ref
-        if ref is not None:
-            try:
-                if self.offload is None:
-                    raise StoredResponseUnavailable(
-                        "the response body was offloaded, but no object store is configured now"
-                    )
-                stored = stored.with_body(await self.offload.get(ref))
-            except StoredResponseUnavailable as exc:
-                self.log.error(
-                    "stored_response_unavailable",
-                    route=self.route.name,
-                    key=op.label,
-                    object=ref.path,
-                    error=exc.detail,
+        if ref is None:
+            return stored.to_response(replayed=True)
+        try:
+            if self.offload is None:
+                raise StoredResponseUnavailable(
+                    "the response body was offloaded, but no object store is configured now"
                 )
-                raise
-        return stored.to_response(replayed=True)
+            body = await self.offload.get(ref)
+        except StoredResponseUnavailable as exc:
+            self._unavailable(op, ref, exc)
+            raise
+        if isinstance(body, bytes):
+            return stored.with_body(body).to_response(replayed=True)
+        response = StreamingResponse(self._watched(op, ref, body), stored.status)
+        response.raw_headers = stored.replay_headers(ref.size)
+        return response
+
+    async def _watched(
+        self, op: Operation, ref: ObjectRef, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except StoredResponseUnavailable as exc:
+            self._unavailable(op, ref, exc, note="the replay was cut short")
+            raise
+
+    def _unavailable(
+        self, op: Operation, ref: ObjectRef, exc: StoredResponseUnavailable, note: str = ""
+    ) -> None:
+        self.log.error(
+            "stored_response_unavailable",
+            route=self.route.name,
+            key=op.label,
+            object=ref.path,
+            error=exc.detail,
+            note=note,
+        )
 
     async def _storable(self, stored: StoredResponse) -> StoredResponse:
         """The outcome to record: a large body goes to object storage when it can; one

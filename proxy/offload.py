@@ -14,16 +14,26 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
 from obstore.store import from_url
 
 from proxy.config import OffloadConfig
+
+if TYPE_CHECKING:
+    from obstore import GetResult
 from proxy.errors import OffloadUnavailable, StoredResponseUnavailable
+
+# Offloaded bodies up to this size are read and checked whole before a replay starts;
+# larger ones stream in chunks of STREAM_CHUNK_BYTES (memory stays bounded per replay).
+VERIFY_WHOLE_BYTES = 1024 * 1024
+STREAM_CHUNK_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,27 @@ def _store_options(config: OffloadConfig) -> dict[str, Any]:
     if config.allow_http:
         options["client_options"] = {"allow_http": True}
     return options
+
+
+@contextmanager
+def _reading(ref: ObjectRef) -> Iterator[None]:
+    """Translate the object store's errors on reading ``ref``."""
+    try:
+        yield
+    except (NotFoundError, FileNotFoundError) as exc:
+        raise StoredResponseUnavailable(
+            f"the stored response body {ref.path} is missing from the object store"
+        ) from exc
+    except (BaseError, OSError) as exc:
+        raise StoredResponseUnavailable(
+            f"the object store could not return {ref.path}: {exc}"
+        ) from exc
+
+
+def _mismatch(ref: ObjectRef) -> StoredResponseUnavailable:
+    return StoredResponseUnavailable(
+        f"the stored response body {ref.path} does not match its recorded size and digest"
+    )
 
 
 class Offload:
@@ -67,24 +98,38 @@ class Offload:
             raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
         return ObjectRef(path, len(body), hashlib.sha256(body).hexdigest())
 
-    async def get(self, ref: ObjectRef) -> bytes:
-        """The body, checked against its size and digest."""
-        try:
+    async def get(self, ref: ObjectRef) -> bytes | AsyncIterator[bytes]:
+        """The body, checked against its size and digest.
+
+        Up to ``VERIFY_WHOLE_BYTES`` it is read and checked before anything is returned.
+        A larger body comes as chunks, the last one held back until the digest is checked:
+        a corrupt object then ends in ``StoredResponseUnavailable`` mid-stream, and the
+        caller gets a response cut short, never a wrong complete body.
+        """
+        with _reading(ref):
             result = await obstore.get_async(self._store, ref.path)
+        if result.meta["size"] != ref.size:
+            raise _mismatch(ref)
+        if ref.size > VERIFY_WHOLE_BYTES:
+            return self._verified(result, ref)
+        with _reading(ref):
             body = bytes(await result.bytes_async())
-        except (NotFoundError, FileNotFoundError) as exc:
-            raise StoredResponseUnavailable(
-                f"the stored response body {ref.path} is missing from the object store"
-            ) from exc
-        except (BaseError, OSError) as exc:
-            raise StoredResponseUnavailable(
-                f"the object store could not return {ref.path}: {exc}"
-            ) from exc
-        if len(body) != ref.size or hashlib.sha256(body).hexdigest() != ref.sha256:
-            raise StoredResponseUnavailable(
-                f"the stored response body {ref.path} does not match its recorded digest"
-            )
+        if hashlib.sha256(body).hexdigest() != ref.sha256:
+            raise _mismatch(ref)
         return body
+
+    async def _verified(self, result: GetResult, ref: ObjectRef) -> AsyncIterator[bytes]:
+        digest = hashlib.sha256()
+        held = b""
+        with _reading(ref):
+            async for chunk in result.stream(min_chunk_size=STREAM_CHUNK_BYTES):
+                if held:
+                    yield held
+                held = bytes(chunk)
+                digest.update(held)
+        if digest.hexdigest() != ref.sha256:
+            raise _mismatch(ref)
+        yield held
 
     async def sweep(self, older_than: float) -> int:
         """Delete objects last written more than ``older_than`` seconds ago; return how many.

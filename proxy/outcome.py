@@ -76,11 +76,18 @@ class StoredResponse:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError("a stored outcome is malformed") from exc
 
+    def replay_headers(self, length: int) -> RawHeaders:
+        """The stored headers with framing for ``length`` bytes and Idempotent-Replayed."""
+        return [*self.headers, (b"content-length", str(length).encode()), REPLAYED_HEADER]
+
     def to_response(self, *, replayed: bool) -> Response:
         """A starlette response; framing (Content-Length) is recomputed."""
         response = Response(self.body, self.status)
-        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
         if replayed:
-            headers.append(REPLAYED_HEADER)
-        response.raw_headers = headers
+            response.raw_headers = self.replay_headers(len(self.body))
+        else:
+            response.raw_headers = [
+                *self.headers,
+                (b"content-length", str(len(self.body)).encode()),
+            ]
         return response

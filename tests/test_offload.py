@@ -140,6 +140,33 @@ def test_object_deleted_behind_the_proxys_back_is_a_502(
     assert tool.count(key) == 1  # never executed again
 
 
+def test_corrupt_large_object_is_cut_short_never_a_wrong_body(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+) -> None:
+    size = 3 * 1024 * 1024
+    proxy = make_proxy(route(tool.url), offload=s3_offload(s3))
+    key = new_key(BODY)
+    assert call(f"{proxy.url}/tools/big?size={size}", key).status_code == 200
+    [object_key] = s3.keys()
+    s3.client().put_object(Bucket=BUCKET, Key=object_key, Body=b"x" * size)
+    received = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream(
+            "POST",
+            f"{proxy.url}/tools/big?size={size}",
+            json=BODY,
+            headers={"Idempotency-Key": key},
+            timeout=60,
+        ) as replay,
+    ):
+        assert replay.headers["content-length"] == str(size)
+        for chunk in replay.iter_raw():
+            received += chunk
+    assert len(received) < size  # the last chunk is held back and never sent
+    assert tool.count(key) == 1
+
+
 def test_corrupt_object_is_a_502_never_a_wrong_body(
     tool: CountingTool, make_proxy: ProxyFactory, s3: S3
 ) -> None:
