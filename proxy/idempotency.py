@@ -40,7 +40,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
-from proxy.offload import ObjectRef, Offload
+from proxy.offload import ObjectRef, Offload, Spool
 from proxy.outcome import StoredResponse
 from proxy.store import Record, RecordKey, State, Store
 
@@ -71,6 +71,23 @@ class Operation:
     key: RecordKey
     label: str
     fingerprint: str
+
+
+def _bytes(body: bytes | Spool, keep: bool = False) -> bytes:
+    """The body as bytes (a spool is read whole; ``keep`` leaves it open for the caller)."""
+    if not isinstance(body, Spool):
+        return body
+    body.file.seek(0)
+    return body.file.read() if keep else body.read_all()
+
+
+def _answer(upstream: UpstreamResponse, body: bytes | Spool) -> Response:
+    """The first caller's response: every end-to-end header, the body streamed if spooled."""
+    if isinstance(body, bytes):
+        return StoredResponse(upstream.status, upstream.headers, body).to_response(replayed=False)
+    response = StreamingResponse(body.chunks(), upstream.status)
+    response.raw_headers = [*upstream.headers, (b"content-length", str(body.size).encode())]
+    return response
 
 
 class Lease:
@@ -244,10 +261,10 @@ class Guard:
             note=note,
         )
 
-    async def _storable(self, stored: StoredResponse) -> StoredResponse:
+    async def _storable(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
         """The outcome to record: a large body goes to object storage when it can; one
         above max_stored_bytes is replaced by a problem (the call is never re-run)."""
-        size = len(stored.body)
+        size = body.size if isinstance(body, Spool) else len(body)
         limit = self.policy.max_stored_bytes
         if limit is not None and size > limit:
             self.log.warning("response_not_stored", route=self.route.name, bytes=size)
@@ -266,16 +283,17 @@ class Guard:
                     bytes=size,
                     note="configure offload to keep the store small",
                 )
-            return stored
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         if not self.offload.wants(size):
-            return stored
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         try:
-            return stored.offloaded(await self.offload.put(self.route.name, stored.body))
+            ref = await self.offload.put(self.route.name, body)
         except OffloadUnavailable as exc:
             self.log.warning(
                 "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
             )
-            return stored
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body, keep=True))
+        return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)
 
     async def _execute(
         self, op: Operation, owner: str, forward: Forward
@@ -283,7 +301,7 @@ class Guard:
         lease = Lease(self, op, owner)
         try:
             upstream = await forward()
-            body = await upstream.read()
+            body = await self._read(upstream)
         except UpstreamUnreachable:
             lease.stop()
             await self._release(op, owner)
@@ -295,14 +313,27 @@ class Guard:
         except BaseException:
             lease.stop()
             raise
-        answer = StoredResponse(upstream.status, upstream.headers, body)
         if upstream.status in self._release_on:
             lease.stop()
             await self._release(op, owner)
-            return answer.to_response(replayed=False), Outcome.RELEASED
-        stored = await self._storable(StoredResponse.of(upstream.status, upstream.headers, body))
+            return _answer(upstream, body), Outcome.RELEASED
+        stored = await self._storable(upstream, body)
         await self._record(op, owner, State.COMPLETED, stored, lease)
-        return answer.to_response(replayed=False), Outcome.EXECUTED
+        return _answer(upstream, body), Outcome.EXECUTED
+
+    async def _read(self, upstream: UpstreamResponse) -> bytes | Spool:
+        """The body: whole, or spooled to disk when it will go to object storage."""
+        offload = self.offload
+        if offload is None or (upstream.length is not None and not offload.wants(upstream.length)):
+            return await upstream.read()
+        spool = Spool(offload.threshold)
+        try:
+            async for chunk in upstream.stream():
+                spool.write(chunk)
+        except BaseException:
+            spool.close()
+            raise
+        return spool if offload.wants(spool.size) else spool.read_all()
 
     async def _release(self, op: Operation, owner: str) -> None:
         try:

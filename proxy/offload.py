@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
@@ -77,6 +78,47 @@ def _mismatch(ref: ObjectRef) -> StoredResponseUnavailable:
     )
 
 
+class Spool:
+    """A body on its way to object storage: in memory up to the threshold, then on disk.
+
+    The SHA-256 is computed as the chunks arrive; the file is deleted when closed.
+    """
+
+    def __init__(self, threshold: int) -> None:
+        self.file: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=threshold)  # noqa: SIM115
+        self.size = 0
+        self._digest = hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.file.write(chunk)
+        self._digest.update(chunk)
+        self.size += len(chunk)
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+    def read_all(self) -> bytes:
+        """The whole body (then closed)."""
+        self.file.seek(0)
+        try:
+            return self.file.read()
+        finally:
+            self.close()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body in chunks (then closed)."""
+        self.file.seek(0)
+        try:
+            while chunk := self.file.read(STREAM_CHUNK_BYTES):
+                yield chunk
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class Offload:
     """Puts, gets and deletes offloaded bodies."""
 
@@ -89,14 +131,21 @@ class Offload:
         """True if a body of ``size`` bytes goes to object storage."""
         return size > self.threshold
 
-    async def put(self, route: str, body: bytes) -> ObjectRef:
-        """Write ``body`` create-only under a new unguessable name."""
+    async def put(self, route: str, body: bytes | Spool) -> ObjectRef:
+        """Write ``body`` create-only under a new unguessable name (multipart when large)."""
         path = f"{route}/{secrets.token_hex(16)}"
+        if isinstance(body, Spool):
+            body.file.seek(0)
+            data: bytes | IO[bytes] = body.file
+            ref = ObjectRef(path, body.size, body.sha256)
+        else:
+            data = body
+            ref = ObjectRef(path, len(body), hashlib.sha256(body).hexdigest())
         try:
-            await obstore.put_async(self._store, path, body, mode="create")
+            await obstore.put_async(self._store, path, data, mode="create")
         except (BaseError, OSError) as exc:
             raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
-        return ObjectRef(path, len(body), hashlib.sha256(body).hexdigest())
+        return ref
 
     async def get(self, ref: ObjectRef) -> bytes | AsyncIterator[bytes]:
         """The body, checked against its size and digest.
