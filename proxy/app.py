@@ -35,6 +35,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
+from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.problems import (
     handle_http_exception,
@@ -119,6 +120,7 @@ class Proxy:
             if r.idempotency is not None
         }
         self.max_body = config.limits.max_body_bytes
+        self.metrics = Metrics()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -133,6 +135,7 @@ class Proxy:
         except Exception:
             self.log.exception("unexpected_error", path=scope["path"])
             response = internal_error_response()
+        seconds = time.perf_counter() - started
         self.log.info(
             "request",
             method=scope["method"],
@@ -141,8 +144,9 @@ class Proxy:
             key=trace.key,
             outcome=trace.outcome.value,
             status=response.status_code,
-            latency_ms=round((time.perf_counter() - started) * 1000, 3),
+            latency_ms=round(seconds * 1000, 3),
         )
+        self.metrics.observe(trace.route or "", trace.outcome.value, response.status_code, seconds)
         await response(scope, receive, send)
 
     async def _dispatch(self, request: Request, trace: Trace) -> Response:
@@ -320,6 +324,7 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
         routes=[
             Route(f"{ADMIN_PREFIX}healthz", proxy.healthz, methods=["GET", "HEAD"]),
             Route(f"{ADMIN_PREFIX}readyz", proxy.readyz, methods=["GET", "HEAD"]),
+            Route(f"{ADMIN_PREFIX}metrics", proxy.metrics.endpoint, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from proxy.config import Config, load_config
 from proxy.errors import ConfigError, ProxyError
 from proxy.keys import Canonicalization, composite_key, is_key_part
+from proxy.metrics import ENV_MULTIPROC_DIR
 
 EXIT_USAGE = 2
 
@@ -36,6 +39,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     from proxy.server import serve
 
+    if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
+        # every worker writes its metrics here, so one scrape sees the whole server
+        os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
     host = args.host or config.server.host
     port = args.port or config.server.port
     serve(args.config, host, port, args.workers, args.log_level)

@@ -63,3 +63,33 @@ def test_redact_blanks_secret_fields_at_any_depth() -> None:
     assert out["authorization"] == out["client_secret"] == out["refresh_token"] == REDACTED
     assert out["headers"] == {"Cookie": REDACTED, "x": "ok"}
     assert out["route"] == "r"
+
+
+def test_metrics_count_requests_by_route_and_outcome(tool: CountingTool, tmp_path: Path) -> None:
+    config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
+    proxy = ProxyProcess(config, tmp_path, workers=2).start()
+    try:
+        key = new_key({"n": 1})
+        for _ in range(5):
+            httpx.post(f"{proxy.url}/tools/x", json={"n": 1}, headers={"Idempotency-Key": key})
+        httpx.post(f"{proxy.url}/tools/x", json={"n": 1})  # no key: 400
+        text = ""
+        for _ in range(4):  # whichever worker answers, it reports both workers' samples
+            text = httpx.get(f"{proxy.url}/_proxy/metrics").text
+            assert (
+                'tool_proxy_requests_total{outcome="executed",route="tool",status="200"} 1.0'
+                in text
+            )
+            assert (
+                'tool_proxy_requests_total{outcome="replayed",route="tool",status="200"} 4.0'
+                in text
+            )
+            assert (
+                'tool_proxy_requests_total{outcome="rejected",route="tool",status="400"} 1.0'
+                in text
+            )
+        assert (
+            'tool_proxy_request_duration_seconds_count{outcome="replayed",route="tool"} 4.0' in text
+        )
+    finally:
+        proxy.stop()

@@ -439,6 +439,12 @@ def test_health_and_readiness(make_proxy: ProxyFactory, tool: CountingTool, stor
     proxy = make_proxy(route(tool.url), store=store_url)
     assert httpx.get(f"{proxy.url}/_proxy/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{proxy.url}/_proxy/readyz").status_code == 200
+    post(f"{proxy.url}/tools/x", key=new_key(BODY))
+    metrics = httpx.get(f"{proxy.url}/_proxy/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert 'tool_proxy_requests_total{outcome="executed",route="tool",status="200"} 1.0' in (
+        metrics.text
+    )
 
 
 def test_the_proxy_namespace_is_never_forwarded(

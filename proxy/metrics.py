@@ -1,0 +1,81 @@
+"""Prometheus metrics, served at ``/_proxy/metrics``.
+
+Each app has its own registry. With several worker processes (``serve --workers N``) the
+CLI points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory and every worker writes its
+samples there, so a scrape of any worker sees the whole server.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.requests import Request
+from starlette.responses import Response
+
+ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# Request latency buckets, in seconds: from a replay (sub-millisecond) to a long tool call.
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+
+
+class Metrics:
+    """Counters and histograms of proxied requests."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter(
+            "tool_proxy_requests",
+            "Proxied requests by route, outcome (executed, replayed, conflict, released, "
+            "failed, passed, rejected) and status.",
+            ["route", "outcome", "status"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "tool_proxy_request_duration_seconds",
+            "Time from a proxied request to its response being ready, by route and outcome.",
+            ["route", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, route: str, outcome: str, status: int, seconds: float) -> None:
+        """Count one proxied request."""
+        self._requests.labels(route, outcome, str(status)).inc()
+        self._latency.labels(route, outcome).observe(seconds)
+
+    def exposition(self) -> bytes:
+        """The text format, from every worker when several share the server."""
+        if os.environ.get(ENV_MULTIPROC_DIR):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return bytes(generate_latest(registry))
+        return bytes(generate_latest(self.registry))
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(self.exposition(), media_type=CONTENT_TYPE_LATEST)
