@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from proxy import logs
+from proxy.auth.callers import Authenticator
 from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
 from proxy.errors import (
@@ -121,6 +122,7 @@ class Proxy:
         }
         self.max_body = config.limits.max_body_bytes
         self.metrics = Metrics()
+        self.auth = Authenticator(config.auth) if config.auth else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -159,13 +161,17 @@ class Proxy:
         check_path(path, scope.get("raw_path") or path.encode())
         route = self.router.match(path)
         trace.route = route.name
+        principal = await self._principal(request, route)
         guard = self.guards.get(route.name)
         if guard is None or not guard.guards(request.method):
             trace.outcome = Outcome.PASSED
             return await self._pass_through(request, route)
         body = await read_body(request, self.max_body)
         op = guard.operation(
-            request.headers.get("idempotency-key"), body, request.headers.get("content-type")
+            request.headers.get("idempotency-key"),
+            body,
+            request.headers.get("content-type"),
+            principal,
         )
         if op is None:
             trace.outcome = Outcome.PASSED
@@ -173,6 +179,13 @@ class Proxy:
         trace.key = op.label
         response, trace.outcome = await guard.run(op, lambda: self._send(request, route, body))
         return response
+
+    async def _principal(self, request: Request, route: RouteConfig) -> str:
+        """The caller's principal digest ("" when the route does not authenticate)."""
+        if route.auth is None or self.auth is None:
+            return ""
+        caller = await self.auth.caller(request.headers.get("authorization"), route.auth.required)
+        return "" if caller is None else caller.principal
 
     def _send(
         self,
@@ -314,6 +327,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
                 proxy.log.error("shutdown_with_calls_in_flight", calls=len(tasks))
             await upstream.close()
             await proxy.store.close()
+            if proxy.auth is not None:
+                await proxy.auth.close()
             logs.flush()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

@@ -46,6 +46,14 @@ DEFAULT_RESULT_TTL = 24 * 3600.0
 DEFAULT_RETRY_AFTER = 5.0
 # Response bodies above this go to object storage when `offload` is configured.
 DEFAULT_OFFLOAD_THRESHOLD = 100 * 1024
+# Token signatures accepted unless an issuer pins others (never symmetric ones or none).
+DEFAULT_ALGORITHMS = ("RS256", "ES256")
+# Clock skew tolerated on exp, nbf and iat.
+DEFAULT_LEEWAY = 30.0
+# The claims whose values scope idempotency records to one caller.
+DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
+# How long fetched signing keys are trusted before they are fetched again.
+DEFAULT_JWKS_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 
@@ -60,6 +68,18 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _METHOD = re.compile(r"[A-Z]{1,20}")
 _STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss")
+_ASYMMETRIC_ALGORITHMS = (
+    "RS256",
+    "RS384",
+    "RS512",
+    "PS256",
+    "PS384",
+    "PS512",
+    "ES256",
+    "ES384",
+    "ES512",
+    "EdDSA",
+)
 _OFFLOAD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "file", "memory")
 
 
@@ -168,6 +188,7 @@ class RouteConfig(_Strict):
     strip_prefix: bool = False
     timeout: Duration = DEFAULT_TIMEOUT
     idempotency: IdempotencyConfig | None = None
+    auth: RouteAuthConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -217,11 +238,55 @@ class OffloadConfig(_Strict):
         return url
 
 
+class IssuerConfig(_Strict):
+    """A trusted token issuer."""
+
+    issuer: str
+    jwks_url: str | None = None
+    discovery: bool = False
+    audiences: tuple[str, ...] = Field(min_length=1)
+    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
+    leeway: Duration = DEFAULT_LEEWAY
+    required_claims: tuple[str, ...] = ()
+
+    @field_validator("algorithms")
+    @classmethod
+    def _pinned(cls, algorithms: tuple[str, ...]) -> tuple[str, ...]:
+        for algorithm in algorithms:
+            if algorithm not in _ASYMMETRIC_ALGORITHMS:
+                raise ValueError(
+                    f"{algorithm!r} is not allowed: use asymmetric algorithms "
+                    f"({', '.join(_ASYMMETRIC_ALGORITHMS)})"
+                )
+        return algorithms
+
+    @model_validator(mode="after")
+    def _keys_source(self) -> IssuerConfig:
+        if (self.jwks_url is None) == (not self.discovery):
+            raise ValueError("set exactly one of jwks_url and discovery: true")
+        return self
+
+
+class AuthConfig(_Strict):
+    """Who may call: trusted issuers, and the claims that make a principal."""
+
+    issuers: tuple[IssuerConfig, ...] = Field(min_length=1)
+    principal: tuple[str, ...] = DEFAULT_PRINCIPAL_CLAIMS
+    jwks_ttl: Duration = DEFAULT_JWKS_TTL
+
+
+class RouteAuthConfig(_Strict):
+    """Caller authentication on one route."""
+
+    required: bool = True
+
+
 class Config(_Strict):
     """The whole file."""
 
     store: StoreConfig = StoreConfig()
     offload: OffloadConfig | None = None
+    auth: AuthConfig | None = None
     server: ServerConfig = ServerConfig()
     limits: LimitsConfig = LimitsConfig()
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
@@ -229,6 +294,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _unique_routes(self) -> Config:
         problems = []
+        if self.auth is None:
+            problems += [
+                f"routes[{i}].auth: needs a top-level auth section with trusted issuers"
+                for i, route in enumerate(self.routes)
+                if route.auth is not None
+            ]
         for attr in ("name", "path_prefix"):
             seen: set[str] = set()
             for i, route in enumerate(self.routes):

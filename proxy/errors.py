@@ -12,6 +12,7 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidIdempotencyKey           400
     │   ├── InvalidJSONBody                 400
     │   └── BodyNotCanonicalizable          400
+    ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     ├── RouteNotFound                       404
     ├── RequestInProgress                   409
     ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
@@ -24,6 +25,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
     ├── OffloadUnavailable                  503  the object store refused a body (internal)
     ├── StoreUnavailable                    503
+    ├── IdentityProviderUnavailable         503  the issuer's signing keys cannot be fetched
     └── StoreError                          500  the store answered something it should not
 
     ConfigError                             not an HTTP error: bad configuration, for the CLI
@@ -94,6 +96,29 @@ class BodyNotCanonicalizable(BadRequest):
 
     slug = "body-not-canonicalizable"
     title = "Body has no canonical JSON form"
+
+
+class Unauthorized(ProxyError):
+    """No valid caller token on a route that requires one (RFC 6750 error in the header)."""
+
+    status = 401
+    slug = "invalid-token"
+    title = "A valid bearer token is required"
+
+    def __init__(self, detail: str, *, error: str = "invalid_token") -> None:
+        challenge = f'Bearer error="{error}"' if error else "Bearer"
+        super().__init__(detail, headers={"WWW-Authenticate": challenge})
+
+
+class IdentityProviderUnavailable(ProxyError):
+    """The issuer's signing keys cannot be fetched: nothing is forwarded."""
+
+    status = 503
+    slug = "identity-provider-unavailable"
+    title = "Identity provider unavailable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Retry-After": STORE_RETRY_AFTER})
 
 
 class RouteNotFound(ProxyError):

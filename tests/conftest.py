@@ -52,8 +52,9 @@ def route(
         "upstream": upstream,
         "timeout": idempotency.pop("timeout", "10s"),
     }
-    if "strip_prefix" in idempotency:
-        spec["strip_prefix"] = idempotency.pop("strip_prefix")
+    for option in ("strip_prefix", "auth"):
+        if option in idempotency:
+            spec[option] = idempotency.pop(option)
     if guarded:
         spec["idempotency"] = {
             "lock_ttl": "5s",

@@ -1,0 +1,1 @@
+"""Who is calling: bearer JWTs from trusted issuers, and the principal they make."""
