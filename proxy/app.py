@@ -19,7 +19,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from proxy import logs
-from proxy.auth.callers import Authenticator
+from proxy.auth.callers import Authenticator, bearer_token
+from proxy.auth.tokens import DownstreamTokens
 from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
 from proxy.errors import (
@@ -123,6 +124,8 @@ class Proxy:
         self.max_body = config.limits.max_body_bytes
         self.metrics = Metrics()
         self.auth = Authenticator(config.auth) if config.auth else None
+        tokens = DownstreamTokens(list(config.routes))
+        self.tokens = tokens if tokens.has_policies else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -163,6 +166,8 @@ class Proxy:
         trace.route = route.name
         principal = await self._principal(request, route)
         guard = self.guards.get(route.name)
+        if self.tokens is not None and self.tokens.applies(route.name):
+            return await self._with_token(request, route, principal, guard, trace)
         if guard is None or not guard.guards(request.method):
             trace.outcome = Outcome.PASSED
             return await self._pass_through(request, route)
@@ -180,6 +185,49 @@ class Proxy:
         response, trace.outcome = await guard.run(op, lambda: self._send(request, route, body))
         return response
 
+    async def _with_token(
+        self,
+        request: Request,
+        route: RouteConfig,
+        principal: str,
+        guard: Guard | None,
+        trace: Trace,
+    ) -> Response:
+        """A route that forwards a token of its own (read whole, so a 401 can be retried)."""
+        body = await read_body(request, self.max_body)
+
+        def forward() -> Awaitable[UpstreamResponse]:
+            return self._forward_with_token(request, route, body, principal)
+
+        if guard is not None and guard.guards(request.method):
+            op = guard.operation(
+                request.headers.get("idempotency-key"),
+                body,
+                request.headers.get("content-type"),
+                principal,
+            )
+            if op is not None:
+                trace.key = op.label
+                response, trace.outcome = await guard.run(op, forward)
+                return response
+        trace.outcome = Outcome.PASSED
+        return await self._relay(request, await forward())
+
+    async def _forward_with_token(
+        self, request: Request, route: RouteConfig, body: bytes, principal: str
+    ) -> UpstreamResponse:
+        """Send with the route's downstream token; one retry with a new token on a 401."""
+        assert self.tokens is not None
+        subject = bearer_token(request.headers.get("authorization"))
+        token = await self.tokens.token(route.name, principal, subject)
+        upstream = await self._send(request, route, body, authorization=token)
+        if upstream.status != 401:
+            return upstream
+        await upstream.read()  # the tool refused the token: drop it, get another, once
+        self.tokens.drop(route.name, principal)
+        token = await self.tokens.token(route.name, principal, subject)
+        return await self._send(request, route, body, authorization=token)
+
     async def _principal(self, request: Request, route: RouteConfig) -> str:
         """The caller's principal digest ("" when the route does not authenticate)."""
         if route.auth is None or self.auth is None:
@@ -193,6 +241,7 @@ class Proxy:
         route: RouteConfig,
         body: bytes | AsyncIterator[bytes],
         length: int | None = None,
+        authorization: str | None = None,
     ) -> Awaitable[UpstreamResponse]:
         """The upstream exchange (not a coroutine itself: one frame less per await)."""
         scope = request.scope
@@ -200,6 +249,8 @@ class Proxy:
         headers = request_headers(scope["headers"], client[0] if client else None, scope["scheme"])
         if length is not None:
             headers["Content-Length"] = str(length)
+        if authorization is not None:
+            headers["Authorization"] = f"Bearer {authorization}"
         url = upstream_url(
             route, scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
         )
@@ -329,6 +380,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             await proxy.store.close()
             if proxy.auth is not None:
                 await proxy.auth.close()
+            if proxy.tokens is not None:
+                await proxy.tokens.close()
             logs.flush()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:

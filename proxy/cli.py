@@ -8,6 +8,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
 from proxy.errors import ConfigError, ProxyError
 from proxy.keys import Canonicalization, composite_key, is_key_part
@@ -23,7 +24,9 @@ def _fail(problems: list[str]) -> int:
 
 
 def _load(path: str | None) -> Config:
-    return load_config(path)
+    config = load_config(path)
+    load_secrets(list(config.routes))  # missing client secrets are configuration errors too
+    return config
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -52,6 +53,8 @@ DEFAULT_ALGORITHMS = ("RS256", "ES256")
 DEFAULT_LEEWAY = 30.0
 # The claims whose values scope idempotency records to one caller.
 DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
+# Downstream tokens are renewed at this fraction of their lifetime.
+DEFAULT_REFRESH_AHEAD = 0.8
 # How long fetched signing keys are trusted before they are fetched again.
 DEFAULT_JWKS_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
@@ -189,6 +192,7 @@ class RouteConfig(_Strict):
     timeout: Duration = DEFAULT_TIMEOUT
     idempotency: IdempotencyConfig | None = None
     auth: RouteAuthConfig | None = None
+    token: TokenConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -275,6 +279,40 @@ class AuthConfig(_Strict):
     jwks_ttl: Duration = DEFAULT_JWKS_TTL
 
 
+class TokenMode(StrEnum):
+    """What a route sends upstream as Authorization."""
+
+    PASSTHROUGH = "passthrough"
+    CLIENT_CREDENTIALS = "client_credentials"
+    TOKEN_EXCHANGE = "token_exchange"
+    OBO = "obo"
+
+
+class TokenConfig(_Strict):
+    """The token a route forwards (on-behalf-of, exchange or the proxy's own)."""
+
+    mode: TokenMode = TokenMode.PASSTHROUGH
+    token_endpoint: str | None = None
+    client_id: str | None = None
+    client_secret_env: str | None = None
+    client_secret_file: str | None = None
+    audience: str | None = None
+    resource: str | None = None
+    scope: str | None = None
+    refresh_ahead: float = Field(default=DEFAULT_REFRESH_AHEAD, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _complete(self) -> TokenConfig:
+        if self.mode is TokenMode.PASSTHROUGH:
+            return self
+        missing = [f for f in ("token_endpoint", "client_id") if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"mode {self.mode.value} needs {' and '.join(missing)}")
+        if (self.client_secret_env is None) == (self.client_secret_file is None):
+            raise ValueError("set exactly one of client_secret_env and client_secret_file")
+        return self
+
+
 class RouteAuthConfig(_Strict):
     """Caller authentication on one route."""
 
@@ -300,6 +338,14 @@ class Config(_Strict):
                 for i, route in enumerate(self.routes)
                 if route.auth is not None
             ]
+        problems += [
+            f"routes[{i}].token: mode {route.token.mode.value} needs caller authentication "
+            "(routes[].auth) to take the caller's token from"
+            for i, route in enumerate(self.routes)
+            if route.token is not None
+            and route.token.mode in (TokenMode.TOKEN_EXCHANGE, TokenMode.OBO)
+            and route.auth is None
+        ]
         for attr in ("name", "path_prefix"):
             seen: set[str] = set()
             for i, route in enumerate(self.routes):

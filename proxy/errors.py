@@ -13,6 +13,7 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidJSONBody                 400
     │   └── BodyNotCanonicalizable          400
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
+    │   └── ReauthenticationRequired        401  the IdP refused a downstream token
     ├── RouteNotFound                       404
     ├── RequestInProgress                   409
     ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
@@ -108,6 +109,14 @@ class Unauthorized(ProxyError):
     def __init__(self, detail: str, *, error: str = "invalid_token") -> None:
         challenge = f'Bearer error="{error}"' if error else "Bearer"
         super().__init__(detail, headers={"WWW-Authenticate": challenge})
+
+
+class ReauthenticationRequired(Unauthorized):
+    """The identity provider refused to issue a downstream token (invalid_grant,
+    interaction_required, ...): the user must sign in again. Nothing was forwarded."""
+
+    slug = "reauth-required"
+    title = "The identity provider requires the user to authenticate again"
 
 
 class IdentityProviderUnavailable(ProxyError):

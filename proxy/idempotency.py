@@ -28,6 +28,7 @@ from proxy.background import TaskSet
 from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, RouteConfig
 from proxy.errors import (
     ArgsHashMismatch,
+    IdentityProviderUnavailable,
     KeyReusedWithOtherBody,
     MissingIdempotencyKey,
     OffloadUnavailable,
@@ -36,6 +37,7 @@ from proxy.errors import (
     ResponseNotStored,
     StoredResponseUnavailable,
     StoreUnavailable,
+    Unauthorized,
     UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
@@ -302,8 +304,8 @@ class Guard:
         try:
             upstream = await forward()
             body = await self._read(upstream)
-        except UpstreamUnreachable:
-            lease.stop()
+        except (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable):
+            lease.stop()  # nothing was sent (no connection, or no downstream token)
             await self._release(op, owner)
             raise
         except OutcomeUnknown as exc:

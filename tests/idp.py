@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -32,10 +33,15 @@ class IdentityProvider:
         self.url = ""
         self.jwks_hits = 0
         self.keys: dict[str, Any] = {}
+        self.client_secret = "s3cr3t-client-secret"
+        self.token_lifetime = 300
+        self.refuse_with: str | None = None
+        self.grants: list[dict[str, str]] = []
         self.app = Starlette(
             routes=[
                 Route("/jwks", self.jwks),
                 Route("/.well-known/openid-configuration", self.discovery),
+                Route("/token", self.token_endpoint, methods=["POST"]),
             ]
         )
         self.rotate("RS256")
@@ -90,6 +96,23 @@ class IdentityProvider:
     async def jwks(self, request: Request) -> Response:
         self.jwks_hits += 1
         return JSONResponse({"keys": [self.public_jwk(kid) for kid in self.keys]})
+
+    async def token_endpoint(self, request: Request) -> Response:
+        """An OAuth token endpoint: client_credentials, RFC 8693 exchange, Entra OBO."""
+        form = dict(urllib.parse.parse_qsl((await request.body()).decode()))
+        self.grants.append(form)
+        if form.get("client_secret") != self.client_secret:
+            return JSONResponse({"error": "invalid_client"}, 401)
+        if self.refuse_with:
+            return JSONResponse({"error": self.refuse_with}, 400)
+        subject = form.get("subject_token") or form.get("assertion")
+        who = "machine"
+        if subject:
+            who = jwt.decode(subject, options={"verify_signature": False})["sub"]
+        token = f"dt-{len(self.grants)}-{who}"
+        return JSONResponse(
+            {"access_token": token, "token_type": "Bearer", "expires_in": self.token_lifetime}
+        )
 
     async def discovery(self, request: Request) -> Response:
         return JSONResponse({"issuer": self.issuer, "jwks_uri": f"{self.url}/jwks"})

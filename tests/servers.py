@@ -91,6 +91,7 @@ class CountingTool:
 
     def __init__(self) -> None:
         self.url = ""
+        self.reject_tokens: set[str] = set()
         self.executions: Counter[str] = Counter()
         self.requests: list[dict[str, Any]] = []
         self.app = Starlette(
@@ -113,6 +114,8 @@ class CountingTool:
     async def handle(self, request: Request) -> Response:
         body = await request.body()
         query = request.query_params
+        if request.headers.get("authorization", "").removeprefix("Bearer ") in self.reject_tokens:
+            return Response(b'{"error":"invalid_token"}', 401, media_type="application/json")
         await asyncio.sleep(float(query.get("delay", 0)))
         key = request.headers.get("idempotency-key") or request.url.path
         self.executions[key] += 1
@@ -237,7 +240,10 @@ class RedisServer:
 class ProxyProcess:
     """``tool-proxy serve`` as a real process; its JSON log lines are kept."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path, workers: int = 1) -> None:
+    def __init__(
+        self, config: dict[str, Any], tmp: Path, workers: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        self.extra_env = env or {}
         self.port = free_port()
         self.config_path = tmp / f"proxy-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -251,6 +257,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
+        env.update(self.extra_env)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [

@@ -1,0 +1,184 @@
+"""Downstream tokens: the token a route forwards instead of the caller's.
+
+Modes: ``client_credentials`` (the proxy's own token for the route's audience),
+``token_exchange`` (RFC 8693, the caller's JWT as subject_token) and ``obo`` (Entra's
+on-behalf-of: jwt-bearer grant with requested_token_use=on_behalf_of).
+
+Tokens are cached per (route, principal), renewed at ``refresh_ahead`` of their
+lifetime (and never inside the last ``MIN_VALIDITY_SECONDS``), and fetched once for any
+number of concurrent requests. The token endpoint is called with httpx: these calls are
+rare and off the hot path. Client secrets are read from an environment variable or a
+file (a Kubernetes secret) and kept in starlette's ``Secret``, whose repr hides them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from starlette.datastructures import Secret
+
+from proxy.config import RouteConfig, TokenConfig, TokenMode
+from proxy.errors import ConfigError, IdentityProviderUnavailable, ReauthenticationRequired
+
+TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
+JWT_BEARER_GRANT = "urn:ietf:params:oauth:grant-type:jwt-bearer"
+ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
+# A cached token is never used when it expires within this many seconds.
+MIN_VALIDITY_SECONDS = 10.0
+# Time allowed for one token endpoint call.
+TOKEN_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(slots=True)
+class _Cached:
+    token: str
+    refresh_at: float
+    expires_at: float
+
+
+def load_secret(config: TokenConfig) -> Secret | str:
+    """The client secret, or a problem naming the field when it cannot be read."""
+    if config.client_secret_env:
+        value = os.environ.get(config.client_secret_env)
+        field = f"client_secret_env: environment variable {config.client_secret_env}"
+    else:
+        assert config.client_secret_file is not None
+        field = f"client_secret_file: {config.client_secret_file}"
+        try:
+            value = Path(config.client_secret_file).read_text().strip()
+        except OSError as exc:
+            return f"{field} cannot be read ({exc.strerror})"
+    return Secret(value) if value else f"{field} is empty or not set"
+
+
+def load_secrets(routes: list[RouteConfig]) -> dict[str, tuple[TokenConfig, Secret]]:
+    """Every token route's policy and client secret; ``ConfigError`` lists each missing one."""
+    policies: dict[str, tuple[TokenConfig, Secret]] = {}
+    problems: list[str] = []
+    for i, route in enumerate(routes):
+        if route.token is None or route.token.mode is TokenMode.PASSTHROUGH:
+            continue
+        loaded = load_secret(route.token)
+        if isinstance(loaded, str):
+            problems.append(f"routes[{i}].token.{loaded}")
+        else:
+            policies[route.name] = (route.token, loaded)
+    if problems:
+        raise ConfigError(problems)
+    return policies
+
+
+class DownstreamTokens:
+    """Gets, caches and renews the tokens of every route that has a token policy."""
+
+    def __init__(self, routes: list[RouteConfig], clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._policies = load_secrets(routes)
+        self._http = httpx.AsyncClient(follow_redirects=False, timeout=TOKEN_TIMEOUT_SECONDS)
+        self._cache: dict[tuple[str, str], _Cached] = {}
+        self._pending: dict[tuple[str, str], asyncio.Task[_Cached]] = {}
+
+    @property
+    def has_policies(self) -> bool:
+        """True if any route forwards a token of its own."""
+        return bool(self._policies)
+
+    def applies(self, route: str) -> bool:
+        """True if ``route`` forwards a token of its own."""
+        return route in self._policies
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def token(self, route: str, principal: str, subject: str | None) -> str:
+        """The downstream token for ``route`` and caller ``principal``."""
+        policy, _ = self._policies[route]
+        key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
+        now = self._clock()
+        cached = self._cache.get(key)
+        if cached is not None and now < cached.refresh_at:
+            return cached.token
+        fetch = self._pending.get(key)
+        if fetch is None:
+            fetch = asyncio.get_running_loop().create_task(self._fetch(route, subject))
+            self._pending[key] = fetch
+            fetch.add_done_callback(lambda task: self._settled(key, task))
+        try:
+            fresh = await asyncio.shield(fetch)
+        except IdentityProviderUnavailable:
+            if cached is not None and now < cached.expires_at - MIN_VALIDITY_SECONDS:
+                return cached.token  # the IdP is down, but the current token still works
+            raise
+        self._cache[key] = fresh
+        return fresh.token
+
+    def _settled(self, key: tuple[str, str], task: asyncio.Task[_Cached]) -> None:
+        self._pending.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # seen by every waiter; retrieved here if none is left
+
+    def drop(self, route: str, principal: str) -> None:
+        """Forget a token the upstream refused (a 401 although it looked fresh)."""
+        policy, _ = self._policies[route]
+        key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
+        self._cache.pop(key, None)
+
+    async def _fetch(self, route: str, subject: str | None) -> _Cached:
+        policy, secret = self._policies[route]
+        form = _grant(policy, subject)
+        form.update({"client_id": policy.client_id or "", "client_secret": str(secret)})
+        try:
+            response = await self._http.post(policy.token_endpoint or "", data=form)
+        except httpx.HTTPError as exc:
+            raise IdentityProviderUnavailable(
+                f"the token endpoint of route {route} cannot be reached ({type(exc).__name__})"
+            ) from exc
+        return self._parse(route, policy, response)
+
+    def _parse(self, route: str, policy: TokenConfig, response: httpx.Response) -> _Cached:
+        try:
+            document = response.json()
+        except ValueError:
+            document = {}
+        if response.status_code >= 500 or not isinstance(document, dict):
+            raise IdentityProviderUnavailable(
+                f"the token endpoint of route {route} answered {response.status_code}"
+            )
+        if response.status_code != 200 or "access_token" not in document:
+            error = document.get("error", f"http_{response.status_code}")
+            raise ReauthenticationRequired(
+                f"the identity provider refused a token for route {route}: {error}",
+                error="invalid_token",
+            )
+        lifetime = float(document.get("expires_in", 300))
+        now = self._clock()
+        refresh_at = now + min(lifetime * policy.refresh_ahead, lifetime - MIN_VALIDITY_SECONDS)
+        return _Cached(str(document["access_token"]), refresh_at, now + lifetime)
+
+
+def _grant(policy: TokenConfig, subject: str | None) -> dict[str, str]:
+    if policy.mode is TokenMode.CLIENT_CREDENTIALS:
+        form = {"grant_type": "client_credentials"}
+    elif policy.mode is TokenMode.TOKEN_EXCHANGE:
+        form = {
+            "grant_type": TOKEN_EXCHANGE_GRANT,
+            "subject_token": subject or "",
+            "subject_token_type": ACCESS_TOKEN_TYPE,
+            "requested_token_type": ACCESS_TOKEN_TYPE,
+        }
+    else:
+        form = {
+            "grant_type": JWT_BEARER_GRANT,
+            "assertion": subject or "",
+            "requested_token_use": "on_behalf_of",
+        }
+    for name in ("audience", "resource", "scope"):
+        if (value := getattr(policy, name)) is not None:
+            form[name] = value
+    return form

@@ -1,0 +1,269 @@
+"""Downstream tokens against a real token endpoint: client credentials, exchange, OBO."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.auth.tokens import DownstreamTokens
+from proxy.config import parse_config
+from proxy.errors import IdentityProviderUnavailable
+from tests.conftest import ProxyFactory, new_key, route
+from tests.idp import AUDIENCE, IdentityProvider
+from tests.servers import CountingTool, ProxyProcess, ThreadServer, free_port
+
+BODY = {"db": "orders"}
+SECRET_ENV = "TOOL_PROXY_TEST_CLIENT_SECRET"
+
+
+@pytest.fixture
+def idp_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[IdentityProvider, ThreadServer]]:
+    provider = IdentityProvider()
+    server = ThreadServer(provider.app).start()
+    provider.url = server.url
+    monkeypatch.setenv(SECRET_ENV, provider.client_secret)
+    yield provider, server
+    server.stop()
+
+
+@pytest.fixture
+def idp(idp_server: tuple[IdentityProvider, ThreadServer]) -> IdentityProvider:
+    return idp_server[0]
+
+
+def auth_section(idp: IdentityProvider) -> dict[str, Any]:
+    return {
+        "issuers": [{"issuer": idp.issuer, "jwks_url": f"{idp.url}/jwks", "audiences": [AUDIENCE]}]
+    }
+
+
+def token_route(
+    tool: CountingTool, idp: IdentityProvider, mode: str, **extra: Any
+) -> dict[str, Any]:
+    spec = route(tool.url)
+    if mode != "client_credentials":
+        spec["auth"] = {"required": True}
+    spec["token"] = {
+        "mode": mode,
+        "token_endpoint": extra.pop("endpoint", f"{idp.url}/token"),
+        "client_id": "tool-proxy",
+        "client_secret_env": SECRET_ENV,
+        "audience": "provisioning-api",
+        "scope": "db.write",
+        **extra,
+    }
+    return spec
+
+
+def call(url: str, token: str | None = None, key: str | None = None) -> httpx.Response:
+    headers = {"Idempotency-Key": key or new_key(BODY)}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return httpx.post(url, json=BODY, headers=headers)
+
+
+def forwarded_token(tool: CountingTool) -> str:
+    return str(tool.requests[-1]["headers"]["authorization"]).removeprefix("Bearer ")
+
+
+def test_client_credentials_is_fetched_once_and_forwarded(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, "client_credentials"))
+    for _ in range(3):
+        assert call(f"{proxy.url}/tools/db").status_code == 200
+    assert forwarded_token(tool) == "dt-1-machine"
+    [grant] = idp.grants
+    assert grant["grant_type"] == "client_credentials"
+    assert (grant["audience"], grant["scope"], grant["client_id"]) == (
+        "provisioning-api",
+        "db.write",
+        "tool-proxy",
+    )
+
+
+def test_token_exchange_per_principal(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, "token_exchange"), auth=auth_section(idp))
+    alice = idp.token("alice")
+    assert call(f"{proxy.url}/tools/db", alice).status_code == 200
+    assert forwarded_token(tool) == "dt-1-alice"
+    assert call(f"{proxy.url}/tools/db", idp.token("alice")).status_code == 200
+    assert call(f"{proxy.url}/tools/db", idp.token("bob")).status_code == 200
+    assert forwarded_token(tool) == "dt-2-bob"
+    assert len(idp.grants) == 2
+    first = idp.grants[0]
+    assert first["grant_type"] == "urn:ietf:params:oauth:grant-type:token-exchange"
+    assert first["subject_token"] == alice
+    assert first["subject_token_type"] == "urn:ietf:params:oauth:token-type:access_token"
+
+
+def test_obo_uses_the_jwt_bearer_grant(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, "obo"), auth=auth_section(idp))
+    caller = idp.token("carol")
+    assert call(f"{proxy.url}/tools/db", caller).status_code == 200
+    [grant] = idp.grants
+    assert grant["grant_type"] == "urn:ietf:params:oauth:grant-type:jwt-bearer"
+    assert grant["assertion"] == caller
+    assert grant["requested_token_use"] == "on_behalf_of"
+    assert forwarded_token(tool) == "dt-1-carol"
+
+
+def test_upstream_401_gets_a_new_token_once(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, "client_credentials"))
+    assert call(f"{proxy.url}/tools/db").status_code == 200
+    tool.reject_tokens.add("dt-1-machine")  # the tool revoked it early
+    key = new_key(BODY, step=2)
+    response = call(f"{proxy.url}/tools/db", key=key)
+    assert response.status_code == 200
+    assert forwarded_token(tool) == "dt-2-machine"
+    assert tool.count(key) == 1
+
+
+def test_idp_refusal_is_401_reauth_and_releases_the_key(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, "token_exchange"), auth=auth_section(idp))
+    idp.refuse_with = "interaction_required"
+    key = new_key(BODY)
+    refused = call(f"{proxy.url}/tools/db", idp.token("alice"), key)
+    assert refused.status_code == 401
+    assert refused.json()["type"].endswith("reauth-required")
+    assert "interaction_required" in refused.json()["detail"]
+    assert tool.total == 0
+    idp.refuse_with = None
+    assert call(f"{proxy.url}/tools/db", idp.token("alice"), key).status_code == 200  # released
+    assert tool.count(key) == 1
+
+
+def test_idp_down_is_503_and_nothing_is_forwarded(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    down = f"http://127.0.0.1:{free_port()}/token"
+    proxy = make_proxy(token_route(tool, idp, "client_credentials", endpoint=down))
+    response = call(f"{proxy.url}/tools/db")
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["type"].endswith("identity-provider-unavailable")
+    assert tool.total == 0
+
+
+def tokens_for(idp: IdentityProvider, clock: list[float], **extra: Any) -> DownstreamTokens:
+    tool = CountingTool()
+    tool.url = "http://127.0.0.1:9"
+    config = parse_config(
+        {"auth": auth_section(idp), "routes": [token_route(tool, idp, "token_exchange", **extra)]},
+        env={},
+    )
+    return DownstreamTokens(list(config.routes), clock=lambda: clock[0])
+
+
+def test_hundred_concurrent_requests_at_expiry_cause_one_exchange(idp: IdentityProvider) -> None:
+    clock = [1000.0]
+    tokens = tokens_for(idp, clock)
+    subject = idp.token("alice")
+
+    async def run() -> set[str]:
+        first = await tokens.token("tool", "p-alice", subject)
+        clock[0] += 300  # the cached token has expired
+        again = await asyncio.gather(
+            *(tokens.token("tool", "p-alice", subject) for _ in range(100))
+        )
+        await tokens.close()
+        return {first, *again}
+
+    assert asyncio.run(run()) == {"dt-1-alice", "dt-2-alice"}
+    assert len(idp.grants) == 2
+
+
+def test_tokens_are_renewed_ahead_of_expiry(idp: IdentityProvider) -> None:
+    idp.token_lifetime = 100
+    clock = [0.0]
+    tokens = tokens_for(idp, clock, refresh_ahead=0.8)
+    subject = idp.token("alice")
+
+    async def run() -> list[str]:
+        seen = [await tokens.token("tool", "p", subject)]
+        clock[0] = 79.0
+        seen.append(await tokens.token("tool", "p", subject))  # still before 80 %
+        clock[0] = 81.0
+        seen.append(await tokens.token("tool", "p", subject))  # renewed, though still valid
+        await tokens.close()
+        return seen
+
+    assert asyncio.run(run()) == ["dt-1-alice", "dt-1-alice", "dt-2-alice"]
+
+
+def test_a_valid_token_outlives_a_short_idp_outage(
+    idp_server: tuple[IdentityProvider, ThreadServer],
+) -> None:
+    idp, server = idp_server
+    idp.token_lifetime = 100
+    clock = [0.0]
+    tokens = tokens_for(idp, clock)
+    subject = idp.token("alice")
+
+    async def run() -> None:
+        assert await tokens.token("tool", "p", subject) == "dt-1-alice"
+        server.stop()  # the IdP goes away
+        clock[0] = 85.0  # time to renew, but the current token is good for 15 s more
+        assert await tokens.token("tool", "p", subject) == "dt-1-alice"
+        clock[0] = 95.0  # inside the last 10 s: no longer used
+        with pytest.raises(IdentityProviderUnavailable):
+            await tokens.token("tool", "p", subject)
+        await tokens.close()
+
+    asyncio.run(run())
+
+
+def test_secrets_and_tokens_never_reach_the_logs(
+    tool: CountingTool, idp: IdentityProvider, tmp_path: Path
+) -> None:
+    config = {
+        "store": {"url": f"sqlite://{tmp_path}/state.db"},
+        "auth": auth_section(idp),
+        "routes": [token_route(tool, idp, "token_exchange")],
+    }
+    proxy = ProxyProcess(config, tmp_path, env={SECRET_ENV: idp.client_secret}).start()
+    caller = idp.token("alice")
+    try:
+        assert call(f"{proxy.url}/tools/db", caller).status_code == 200
+        idp.refuse_with = "invalid_grant"
+        assert call(f"{proxy.url}/tools/db", idp.token("bob")).status_code == 401
+    finally:
+        proxy.stop()
+    text = proxy.log_text()
+    assert '"event": "request"' in text
+    for secret in (idp.client_secret, caller, "dt-1-alice"):
+        assert secret not in text
+
+
+def test_missing_client_secret_is_a_config_error(idp: IdentityProvider, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    tool = CountingTool()
+    tool.url = "http://127.0.0.1:9"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"routes": [token_route(tool, idp, "client_credentials")]}))
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"routes[0].token.client_secret_env: environment variable {SECRET_ENV}" in result.stderr
