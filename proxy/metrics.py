@@ -63,11 +63,20 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # The labelled children, looked up once per distinct label set (a dict hit after).
+        self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
     def observe(self, route: str, outcome: str, status: int, seconds: float) -> None:
         """Count one proxied request."""
-        self._requests.labels(route, outcome, str(status)).inc()
-        self._latency.labels(route, outcome).observe(seconds)
+        key = (route, outcome, status)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = (
+                self._requests.labels(route, outcome, str(status)),
+                self._latency.labels(route, outcome),
+            )
+        series[0].inc()
+        series[1].observe(seconds)
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""
