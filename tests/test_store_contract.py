@@ -237,3 +237,24 @@ async def test_redis_keys_share_a_hash_tag() -> None:
 
     key = RecordKey("route|anon|plan|1", "h")
     assert record_key(key).split("}")[0] == slot_key(key).split("}")[0] == "tp:{route|anon|plan|1"
+
+
+async def test_shared_values_expire(store: Store) -> None:
+    assert await store.get_value("token|r|p") is None
+    await store.put_value("token|r|p", b"\x00sealed\xff", 0.3)
+    assert await store.get_value("token|r|p") == b"\x00sealed\xff"
+    await asyncio.sleep(0.45)
+    assert await store.get_value("token|r|p") is None
+
+
+async def test_locks_have_one_holder_and_expire(store: Store) -> None:
+    results = await asyncio.gather(*(store.acquire("fetch", f"o{i}", 0.3) for i in range(20)))
+    assert sum(results) == 1
+    holder = f"o{results.index(True)}"
+    assert await store.acquire("fetch", holder, 0.3)  # re-entrant for its holder
+    await store.unlock("fetch", "someone-else")
+    assert not await store.acquire("fetch", "late", 0.3)
+    await store.unlock("fetch", holder)
+    assert await store.acquire("fetch", "late", 0.2)
+    await asyncio.sleep(0.35)
+    assert await store.acquire("fetch", "later", 0.2)

@@ -104,6 +104,18 @@ class Store(Protocol):
     async def get(self, key: RecordKey) -> Record | None:
         """Read a record, or None."""
 
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        """Keep ``value`` under ``key`` for ``ttl`` seconds (shared values, e.g. tokens)."""
+
+    async def get_value(self, key: str) -> bytes | None:
+        """The value under ``key``, or None if absent or expired."""
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        """Take the lock ``key`` for ``ttl`` seconds unless another owner holds it."""
+
+    async def unlock(self, key: str, owner: str) -> None:
+        """Give the lock back if ``owner`` still holds it."""
+
     async def open(self) -> None:
         """Prepare the store (files, schema); raise ``StoreUnavailable`` if it cannot be used."""
 

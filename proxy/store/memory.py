@@ -22,6 +22,7 @@ class MemoryStore:
         self._clock = clock
         self._records: dict[RecordKey, _Entry] = {}
         self._last_in_slot: dict[str, tuple[str, float]] = {}
+        self._values: dict[str, tuple[bytes, float]] = {}
 
     def _live(self, key: RecordKey) -> _Entry | None:
         entry = self._records.get(key)
@@ -95,7 +96,30 @@ class MemoryStore:
             del self._records[key]
         for slot in [s for s, (_, exp) in self._last_in_slot.items() if exp <= now]:
             del self._last_in_slot[slot]
+        for name in [k for k, (_, exp) in self._values.items() if exp <= now]:
+            del self._values[name]
         return len(expired)
+
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        self._values[key] = (value, self._clock() + ttl)
+
+    async def get_value(self, key: str) -> bytes | None:
+        found = self._values.get(key)
+        if found is None or found[1] <= self._clock():
+            self._values.pop(key, None)
+            return None
+        return found[0]
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        held = await self.get_value(f"lock|{key}")
+        if held is not None and held != owner.encode():
+            return False
+        await self.put_value(f"lock|{key}", owner.encode(), ttl)
+        return True
+
+    async def unlock(self, key: str, owner: str) -> None:
+        if await self.get_value(f"lock|{key}") == owner.encode():
+            self._values.pop(f"lock|{key}", None)
 
     async def open(self) -> None:
         return None

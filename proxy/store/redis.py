@@ -15,6 +15,8 @@ Keys::
 
     tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload)
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
+    tp:v:{<key>}           string: a shared value (an encrypted downstream token)
+    tp:l:{<key>}           string: a short lock (who fetches a shared value)
 """
 
 from __future__ import annotations
@@ -79,8 +81,14 @@ return redis.call('DEL', KEYS[1])
 """
 
 
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _SHA = {
-    s: hashlib.sha1(s.encode()).hexdigest() for s in (_CLAIM, _GET, _RENEW, _COMPLETE, _RELEASE)
+    s: hashlib.sha1(s.encode()).hexdigest()
+    for s in (_CLAIM, _GET, _RENEW, _COMPLETE, _RELEASE, _UNLOCK)
 }
 
 
@@ -218,6 +226,28 @@ class RedisStore:
         name = record_key(key)
         reply = await self._script(_GET, [name])
         return _record(name, reply[1:]) if reply[0] == 1 else None
+
+    async def _command(self, *command: Any) -> Any:
+        try:
+            return await self._coalescer.call(*command)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
+
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        await self._command("SET", f"{KEY_PREFIX}v:{{{key}}}", value, "PX", _ms(ttl))
+
+    async def get_value(self, key: str) -> bytes | None:
+        value = await self._command("GET", f"{KEY_PREFIX}v:{{{key}}}")
+        return None if value is None else bytes(value)
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        name = f"{KEY_PREFIX}l:{{{key}}}"
+        if await self._command("SET", name, owner, "NX", "PX", _ms(ttl)):
+            return True
+        return bool(await self._command("GET", name) == owner.encode())
+
+    async def unlock(self, key: str, owner: str) -> None:
+        await self._script(_UNLOCK, [f"{KEY_PREFIX}l:{{{key}}}"], owner)
 
     async def open(self) -> None:
         """Nothing to do: connections are made on first use, and remade after a failure."""

@@ -37,6 +37,9 @@ CREATE INDEX IF NOT EXISTS records_expiry ON records (expires_at);
 CREATE TABLE IF NOT EXISTS slots (
     slot TEXT PRIMARY KEY, name TEXT NOT NULL, expires_at REAL NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS kv (
+    key TEXT PRIMARY KEY, value BLOB NOT NULL, expires_at REAL NOT NULL
+) WITHOUT ROWID;
 """
 
 
@@ -121,6 +124,18 @@ class SQLiteStore:
 
     async def get(self, key: RecordKey) -> Record | None:
         return await self._run(lambda: _select(self._conn(), self._clock(), key))
+
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        await self._run(self._transaction, _put_value, key, value, ttl)
+
+    async def get_value(self, key: str) -> bytes | None:
+        return await self._run(lambda: _get_value(self._conn(), self._clock(), key))
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> bool:
+        return await self._run(self._transaction, _acquire, f"lock|{key}", owner.encode(), ttl)
+
+    async def unlock(self, key: str, owner: str) -> None:
+        await self._run(self._transaction, _unlock, f"lock|{key}", owner.encode())
 
     async def sweep(self) -> int:
         """Delete expired records and slot pointers; return how many records."""
@@ -222,4 +237,29 @@ def _complete(
 def _sweep(db: sqlite3.Connection, now: float) -> int:
     count = db.execute("DELETE FROM records WHERE expires_at <= ?", (now,)).rowcount
     db.execute("DELETE FROM slots WHERE expires_at <= ?", (now,))
+    db.execute("DELETE FROM kv WHERE expires_at <= ?", (now,))
     return count
+
+
+def _put_value(db: sqlite3.Connection, now: float, key: str, value: bytes, ttl: float) -> None:
+    db.execute(
+        "INSERT OR REPLACE INTO kv (key, value, expires_at) VALUES (?, ?, ?)",
+        (key, value, now + ttl),
+    )
+
+
+def _get_value(db: sqlite3.Connection, now: float, key: str) -> bytes | None:
+    row = db.execute("SELECT value FROM kv WHERE key = ? AND expires_at > ?", (key, now)).fetchone()
+    return None if row is None else bytes(row[0])
+
+
+def _acquire(db: sqlite3.Connection, now: float, key: str, owner: bytes, ttl: float) -> bool:
+    held = _get_value(db, now, key)
+    if held is not None and held != owner:
+        return False
+    _put_value(db, now, key, owner, ttl)
+    return True
+
+
+def _unlock(db: sqlite3.Connection, now: float, key: str, owner: bytes) -> None:
+    db.execute("DELETE FROM kv WHERE key = ? AND value = ?", (key, owner))
