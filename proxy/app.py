@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy import logs
 from proxy.auth.callers import Authenticator, bearer_token
+from proxy.auth.sealing import Sealer, load_key
 from proxy.auth.tokens import DownstreamTokens
 from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
@@ -124,7 +125,10 @@ class Proxy:
         self.max_body = config.limits.max_body_bytes
         self.metrics = Metrics()
         self.auth = Authenticator(config.auth) if config.auth else None
-        tokens = DownstreamTokens(list(config.routes))
+        sealer = None
+        if config.auth is not None and config.auth.token_cache_key_env:
+            sealer = Sealer(load_key(config.auth.token_cache_key_env))
+        tokens = DownstreamTokens(list(config.routes), store=store, sealer=sealer)
         self.tokens = tokens if tokens.has_policies else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -8,6 +8,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from proxy.auth.sealing import load_key
 from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
 from proxy.errors import ConfigError, ProxyError
@@ -26,6 +27,8 @@ def _fail(problems: list[str]) -> int:
 def _load(path: str | None) -> Config:
     config = load_config(path)
     load_secrets(list(config.routes))  # missing client secrets are configuration errors too
+    if config.auth is not None and config.auth.token_cache_key_env:
+        load_key(config.auth.token_cache_key_env)
     return config
 
 

@@ -277,6 +277,7 @@ class AuthConfig(_Strict):
     issuers: tuple[IssuerConfig, ...] = Field(min_length=1)
     principal: tuple[str, ...] = DEFAULT_PRINCIPAL_CLAIMS
     jwks_ttl: Duration = DEFAULT_JWKS_TTL
+    token_cache_key_env: str | None = None
 
 
 class TokenMode(StrEnum):

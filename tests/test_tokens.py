@@ -267,3 +267,54 @@ def test_missing_client_secret_is_a_config_error(idp: IdentityProvider, tmp_path
     )
     assert result.returncode == 2
     assert f"routes[0].token.client_secret_env: environment variable {SECRET_ENV}" in result.stderr
+
+
+def test_replicas_share_one_exchange_through_redis_sealed(
+    tool: CountingTool, idp: IdentityProvider, redis_url: str, tmp_path: Path
+) -> None:
+    import base64
+    import os
+    import socket
+
+    key_env = "TOOL_PROXY_TEST_TOKEN_KEY"
+    auth = {**auth_section(idp), "token_cache_key_env": key_env}
+    config = {
+        "store": {"url": redis_url},
+        "auth": auth,
+        "routes": [token_route(tool, idp, "token_exchange")],
+    }
+    env = {SECRET_ENV: idp.client_secret, key_env: base64.b64encode(os.urandom(32)).decode()}
+    proxies = [ProxyProcess(config, tmp_path, env=env).start() for _ in range(2)]
+    caller = idp.token("alice")
+
+    async def storm() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            responses = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{proxies[i % 2].url}/tools/db",
+                        json=BODY,
+                        headers={
+                            "Idempotency-Key": new_key(BODY, step=i),
+                            "Authorization": f"Bearer {caller}",
+                        },
+                    )
+                    for i in range(40)
+                )
+            )
+        return [r.status_code for r in responses]
+
+    try:
+        assert asyncio.run(storm()) == [200] * 40
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    assert len(idp.grants) == 1  # one exchange for both replicas and 40 requests
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"KEYS tp:v:*\r\n")
+        listing = sock.recv(65536)
+        name = next(line for line in listing.split(b"\r\n") if line.startswith(b"tp:v:"))
+        sock.sendall(b"GET " + name + b"\r\n")
+        stored = sock.recv(65536)
+    assert b"dt-1-alice" not in stored and len(stored) > 40  # sealed at rest

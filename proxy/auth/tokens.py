@@ -6,31 +6,47 @@ on-behalf-of: jwt-bearer grant with requested_token_use=on_behalf_of).
 
 Tokens are cached per (route, principal), renewed at ``refresh_ahead`` of their
 lifetime (and never inside the last ``MIN_VALIDITY_SECONDS``), and fetched once for any
-number of concurrent requests. The token endpoint is called with httpx: these calls are
-rare and off the hot path. Client secrets are read from an environment variable or a
-file (a Kubernetes secret) and kept in starlette's ``Secret``, whose repr hides them.
+number of concurrent requests: in this process (one task), and across replicas when
+``auth.token_cache_key_env`` is set (a short lock in the shared store; the token is then
+published there, sealed with AES-GCM, for the other replicas). The token endpoint is
+called with httpx: these calls are rare and off the hot path. Client secrets are read
+from an environment variable or a file (a Kubernetes secret) and kept in starlette's
+``Secret``, whose repr hides them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 from starlette.datastructures import Secret
 
+from proxy.auth.sealing import Sealer
 from proxy.config import RouteConfig, TokenConfig, TokenMode
-from proxy.errors import ConfigError, IdentityProviderUnavailable, ReauthenticationRequired
+from proxy.errors import (
+    ConfigError,
+    IdentityProviderUnavailable,
+    ReauthenticationRequired,
+    StoreUnavailable,
+)
+from proxy.store import Store
 
 TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
 JWT_BEARER_GRANT = "urn:ietf:params:oauth:grant-type:jwt-bearer"
 ACCESS_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:access_token"
 # A cached token is never used when it expires within this many seconds.
 MIN_VALIDITY_SECONDS = 10.0
+# How long one replica may hold the lock to fetch a shared token, and how often the
+# others look for the token it publishes.
+SHARED_LOCK_SECONDS = 10.0
+SHARED_POLL_SECONDS = 0.05
 # Time allowed for one token endpoint call.
 TOKEN_TIMEOUT_SECONDS = 10.0
 
@@ -77,8 +93,16 @@ def load_secrets(routes: list[RouteConfig]) -> dict[str, tuple[TokenConfig, Secr
 class DownstreamTokens:
     """Gets, caches and renews the tokens of every route that has a token policy."""
 
-    def __init__(self, routes: list[RouteConfig], clock: Any = time.monotonic) -> None:
+    def __init__(
+        self,
+        routes: list[RouteConfig],
+        clock: Callable[[], float] = time.time,
+        store: Store | None = None,
+        sealer: Sealer | None = None,
+    ) -> None:
         self._clock = clock
+        self._shared = store if sealer is not None else None
+        self._sealer = sealer
         self._policies = load_secrets(routes)
         self._http = httpx.AsyncClient(follow_redirects=False, timeout=TOKEN_TIMEOUT_SECONDS)
         self._cache: dict[tuple[str, str], _Cached] = {}
@@ -106,7 +130,7 @@ class DownstreamTokens:
             return cached.token
         fetch = self._pending.get(key)
         if fetch is None:
-            fetch = asyncio.get_running_loop().create_task(self._fetch(route, subject))
+            fetch = asyncio.get_running_loop().create_task(self._obtain(route, key, subject))
             self._pending[key] = fetch
             fetch.add_done_callback(lambda task: self._settled(key, task))
         try:
@@ -128,6 +152,63 @@ class DownstreamTokens:
         policy, _ = self._policies[route]
         key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
         self._cache.pop(key, None)
+
+    async def _obtain(self, route: str, key: tuple[str, str], subject: str | None) -> _Cached:
+        """A fresh token: from the other replicas through the store, or fetched (by one)."""
+        if self._shared is None:
+            return await self._fetch(route, subject)
+        name = "token|" + "|".join(key)
+        shared = await self._read_shared(name)
+        if shared is not None:
+            return shared
+        me = secrets.token_hex(8)
+        try:
+            locked = await self._shared.acquire(name, me, SHARED_LOCK_SECONDS)
+        except StoreUnavailable:
+            return await self._fetch(route, subject)
+        if not locked:
+            return await self._wait_shared(name) or await self._fetch(route, subject)
+        try:
+            fresh = await self._fetch(route, subject)
+            await self._publish(name, fresh)
+            return fresh
+        finally:
+            with contextlib.suppress(StoreUnavailable):
+                await self._shared.unlock(name, me)
+
+    async def _read_shared(self, name: str) -> _Cached | None:
+        """A token another replica published, if it does not need renewing yet."""
+        assert self._shared is not None and self._sealer is not None
+        try:
+            sealed = await self._shared.get_value(name)
+        except StoreUnavailable:
+            return None
+        document = None if sealed is None else self._sealer.open(name, sealed)
+        if document is None:
+            return None
+        cached = _Cached(document["token"], document["refresh_at"], document["expires_at"])
+        return cached if self._clock() < cached.refresh_at else None
+
+    async def _wait_shared(self, name: str) -> _Cached | None:
+        """Wait for the replica that holds the lock to publish its token."""
+        deadline = self._clock() + SHARED_LOCK_SECONDS
+        while self._clock() < deadline:
+            await asyncio.sleep(SHARED_POLL_SECONDS)
+            if (found := await self._read_shared(name)) is not None:
+                return found
+        return None
+
+    async def _publish(self, name: str, fresh: _Cached) -> None:
+        assert self._shared is not None and self._sealer is not None
+        document = {
+            "token": fresh.token,
+            "refresh_at": fresh.refresh_at,
+            "expires_at": fresh.expires_at,
+        }
+        ttl = fresh.expires_at - self._clock()
+        if ttl > 0:
+            with contextlib.suppress(StoreUnavailable):
+                await self._shared.put_value(name, self._sealer.seal(name, document), ttl)
 
     async def _fetch(self, route: str, subject: str | None) -> _Cached:
         policy, secret = self._policies[route]
