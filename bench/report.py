@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from run import Result
+    from run import Memory, Result, Runs
 
 BASELINE = "nginx-hop"
+OFFLOAD_BASELINE = "big-direct"
+RSS_TARGET_MB = 200
+MIB = 1024 * 1024
 HEADER = [
     "scenario",
     "callers",
@@ -38,9 +41,9 @@ def _index(results: list[Result]) -> dict[tuple[str, int], Result]:
     return {(r.scenario, r.callers): r for r in results}
 
 
-def ratio(results: list[Result], scenario: str, callers: int) -> float:
+def ratio(results: list[Result], scenario: str, callers: int, baseline: str = BASELINE) -> float:
     by = _index(results)
-    return by[(scenario, callers)].rps / by[(BASELINE, callers)].rps
+    return by[(scenario, callers)].rps / by[(baseline, callers)].rps
 
 
 def added_p50(results: list[Result], scenario: str, callers: int) -> float | None:
@@ -80,12 +83,11 @@ def _floor_target(what: str, value: float, goal: float, floor: float | None) -> 
     return Target(what, f"{value:.3f}", value >= goal, note)
 
 
-def targets(results: list[Result]) -> list[Target]:
+def _core_targets(results: list[Result]) -> list[Target]:
     by = _index(results)
     first_trips = max(by[("first-exec", c)].round_trips or 0.0 for c in (1, 32))
     replay_trips = max(by[("replay", c)].round_trips or 0.0 for c in (1, 32))
     added = added_p50(results, "first-exec", 1) or 0.0
-    errors = sum(r.errors for r in results)
     return [
         _floor_target(
             "first-exec req/s ratio at 32 callers >= 0.10 (never below 0.07)",
@@ -117,8 +119,29 @@ def targets(results: list[Result]) -> list[Target]:
             round(first_trips, 1) <= 2,
         ),
         Target("1 Redis round trip per replay", f"{replay_trips:.2f}", round(replay_trips, 1) <= 1),
-        Target("no errors (status >= 400 or socket errors)", str(errors), errors == 0),
     ]
+
+
+def _rss_target(memory: Memory) -> Target:
+    what = (
+        f"offloaded {memory.body_bytes / MIB:g} MiB replays at {memory.load.callers} callers: "
+        f"peak RSS < {RSS_TARGET_MB} MB"
+    )
+    return Target(what, f"{memory.peak_mb:.1f} MB", memory.peak_mb < RSS_TARGET_MB)
+
+
+def _measured(runs: Runs) -> list[Result]:
+    """Every wrk measurement against the proxy's scenarios (not the client comparison)."""
+    return [*runs.results, *runs.offload, *([runs.memory.load] if runs.memory else [])]
+
+
+def targets(runs: Runs) -> list[Target]:
+    found = _core_targets(runs.results)
+    if runs.memory is not None:
+        found.append(_rss_target(runs.memory))
+    errors = sum(r.errors for r in _measured(runs))
+    found.append(Target("no errors (status >= 400 or socket errors)", str(errors), errors == 0))
+    return found
 
 
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
@@ -144,9 +167,71 @@ def clients_table(clients: list[Result], markdown: bool = False) -> str:
     return _table(header, [[*row(clients, r)[:6], str(r.errors)] for r in clients], markdown)
 
 
-def targets_table(results: list[Result], markdown: bool = False) -> str:
-    rows = [[t.what, t.measured, t.status] for t in targets(results)]
+def targets_table(runs: Runs, markdown: bool = False) -> str:
+    rows = [[t.what, t.measured, t.status] for t in targets(runs)]
     return _table(["target", "measured", "status"], rows, markdown)
+
+
+def offload_table(offload: list[Result], markdown: bool = False) -> str:
+    header = [
+        "scenario",
+        "callers",
+        "req/s",
+        f"req/s ratio to {OFFLOAD_BASELINE}",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+        "Redis round trips/req",
+    ]
+    rows = [
+        [
+            r.scenario,
+            str(r.callers),
+            f"{r.rps:,.1f}",
+            f"{ratio(offload, r.scenario, r.callers, OFFLOAD_BASELINE):.3f}",
+            f"{r.p50_ms:.2f}",
+            f"{r.p99_ms:.2f}",
+            str(r.errors),
+            "" if r.round_trips is None else f"{r.round_trips:.2f}",
+        ]
+        for r in offload
+    ]
+    return _table(header, rows, markdown)
+
+
+def memory_table(memory: Memory, markdown: bool = False) -> str:
+    header = [
+        "scenario",
+        "callers",
+        "body",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "errors",
+        "RSS at rest, MB",
+        "peak RSS (VmHWM), MB",
+    ]
+    r = memory.load
+    row = [
+        r.scenario,
+        str(r.callers),
+        f"{memory.body_bytes / MIB:g} MiB",
+        f"{r.rps:,.1f}",
+        f"{r.p50_ms:.2f}",
+        f"{r.p99_ms:.2f}",
+        str(r.errors),
+        f"{memory.rest_mb:.1f}",
+        f"{memory.peak_mb:.1f}",
+    ]
+    return _table(header, [row], markdown)
+
+
+def memory_line(memory: Memory) -> str:
+    """A progress line for the peak-RSS scenario."""
+    return (
+        f"proxy RSS at rest {memory.rest_mb:.1f} MB, peak (VmHWM) {memory.peak_mb:.1f} MB "
+        f"(target < {RSS_TARGET_MB} MB)"
+    )
 
 
 def _per_request(n: float) -> str:
@@ -182,39 +267,72 @@ def client_speedup(clients: list[Result]) -> str:
     return f"{by[('aiohttp', 32)].rps / by[('httpx', 32)].rps:.1f}x"
 
 
-def text(results: list[Result], clients: list[Result]) -> str:
+def _offload_text(runs: Runs) -> list[str]:
     parts = []
-    if results:
+    if runs.offload:
+        parts += [
+            f"Large responses (offload), req/s ratio = req/s / {OFFLOAD_BASELINE} req/s:",
+            offload_table(runs.offload),
+            "",
+        ]
+    if runs.memory is not None:
+        parts += [memory_table(runs.memory), memory_line(runs.memory), ""]
+    return parts
+
+
+def text(runs: Runs) -> str:
+    parts = []
+    if runs.results:
         parts += [
             f"req/s ratio = req/s / {BASELINE} req/s at the same number of callers",
-            results_table(results),
+            results_table(runs.results),
             "",
             "Redis (per request):",
-            commands_table(results),
+            commands_table(runs.results),
             "",
-            targets_table(results),
+            *_offload_text(runs),
+            targets_table(runs),
             "",
         ]
     parts += [
         f"Upstream client, forwarding app at 32 callers (aiohttp/httpx req/s: "
-        f"{client_speedup(clients)}):",
-        clients_table(clients),
+        f"{client_speedup(runs.clients)}):",
+        clients_table(runs.clients),
     ]
     return "\n".join(parts)
 
 
-def markdown(meta: dict[str, Any], results: list[Result], clients: list[Result]) -> str:
+def offload_markdown(meta: dict[str, Any], runs: Runs) -> str:
+    """The section "Large responses (offload)" of docs/benchmarks.md."""
+    if not runs.offload or runs.memory is None:
+        return OFFLOAD_SKIPPED
+    return OFFLOAD_DOC.format(
+        duration=meta["duration"],
+        offload=offload_table(runs.offload, markdown=True),
+        memory=memory_table(runs.memory, markdown=True),
+        rss=_rss_target(runs.memory).status,
+        peak=runs.memory.peak_mb,
+        target=RSS_TARGET_MB,
+        rest_seconds=runs.memory.rest_seconds,
+        callers=runs.memory.load.callers,
+        body=f"{runs.memory.body_bytes / MIB:g} MiB",
+        path=runs.memory.path,
+    )
+
+
+def markdown(meta: dict[str, Any], runs: Runs) -> str:
     """The whole of docs/benchmarks.md."""
-    met = targets(results)
+    met = targets(runs)
     return DOC.format(
         **meta,
-        results=results_table(results, markdown=True),
-        commands=commands_table(results, markdown=True),
-        targets=targets_table(results, markdown=True),
+        results=results_table(runs.results, markdown=True),
+        commands=commands_table(runs.results, markdown=True),
+        offload=offload_markdown(meta, runs),
+        targets=targets_table(runs, markdown=True),
         met=sum(t.met for t in met),
         total=len(met),
-        clients=clients_table(clients, markdown=True),
-        speedup=client_speedup(clients),
+        clients=clients_table(runs.clients, markdown=True),
+        speedup=client_speedup(runs.clients),
     )
 
 
@@ -223,8 +341,9 @@ DOC = """\
 
 What one tool-proxy worker process costs in front of a tool, measured with
 [wrk](https://github.com/wg/wrk) against a trivial upstream: an nginx server that answers
-every request with `200 {{"ok":true}}`. Every request is a `POST` of the same small JSON
-body, `{{"tool":"bench","n":1}}`.
+every request with `200 {{"ok":true}}` (or, for the large-response scenarios, with a
+static 1 MiB or 5 MiB JSON file). Every request is a `POST` of the same small JSON body,
+`{{"tool":"bench","n":1}}`.
 
 This file is written by `bench/run` (the script, its nginx template and wrk script are in
 `bench/`); edit the generator, not this file.
@@ -232,8 +351,9 @@ This file is written by `bench/run` (the script, its nginx template and wrk scri
 ## How to run
 
 ```sh
-bench/run                # the full run, about 2 minutes; rewrites this file
+bench/run                # the full run, about 3 minutes; rewrites this file
 bench/run --quick        # 2 s per measurement: a smoke test, leaves this file alone
+bench/run --no-offload   # without the large-response (offload) scenarios
 bench/run --clients      # only the httpx / aiohttp comparison (printed, not written here)
 bench/run --duration 15 --rounds 3   # longer measurements, medians over 3 rounds
 ```
@@ -294,6 +414,8 @@ counts there, as well, every command a Lua script runs with `redis.call`. Reques
 in flight when wrk stops reach Redis without being counted by wrk, so the ratios can
 exceed the exact value by up to 32 / requests.
 
+{offload}
+
 ## Targets
 
 {met} of {total} met.
@@ -301,7 +423,8 @@ exceed the exact value by up to 32 / requests.
 {targets}
 
 The round-trip targets are checked on the value rounded to 0.1 (see above); the
-round-trip value is the larger of 1 and 32 callers.
+round-trip value is the larger of 1 and 32 callers. The error count covers every
+scenario above (the client comparison below excepted).
 
 ## Upstream client: httpx or aiohttp
 
@@ -326,4 +449,54 @@ Redis, first executions fell from about 4,300 to 1,900 req/s and pass-through fr
 7,000 to 4,500, and its errors did not tell a request that was never sent from one whose
 answer was lost (a timeout while waiting for the answer came as a `ConnectTimeoutError`).
 aiohttp stays.
+"""
+
+OFFLOAD_SKIPPED = """\
+## Large responses (offload)
+
+Not measured in this run (`bench/run --no-offload`).\
+"""
+
+OFFLOAD_DOC = """\
+## Large responses (offload)
+
+The same proxy, configured with
+`offload: {{url: "file:///<temporary directory>/objects", threshold_bytes: 102400}}`,
+and a third route, `/big`, guarded like `/tool` on the same Redis store. No network
+object store is available on this machine, so the objects are local files (obstore's
+local file store): these numbers leave out the network round trip and bandwidth of S3,
+GCS or Azure, which a real deployment adds to every replay of an offloaded body.
+
+- **big-direct**: wrk calls the upstream nginx server for a static 1 MiB JSON file
+  (`/big/1m.json`, written into nginx's temporary prefix; nginx refuses a `POST` to a
+  static file with 405, and `error_page 405 =200 $uri` turns it into a `GET` of the file).
+- **big-replay**: the same file through tool-proxy's `/big` route, with one key executed
+  once before the measurement: the 1 MiB body went to the object store, and the record
+  in Redis keeps only its path, size and SHA-256. Every request is a replay that reads the
+  object back and checks its digest (a body of exactly 1 MiB is read whole and checked
+  before the answer starts; larger ones stream in 256 KiB chunks, the last one held back
+  until the digest is checked). Before measuring, the script checks that the object was
+  written and that the replayed body is the file, byte for byte.
+
+`req/s ratio` here is against **big-direct** at the same number of callers; at 1 MiB a
+response, req/s is also MiB/s of body. Each measurement is, as above, a 1 s warm-up and
+{duration} s; Redis round trips are counted as above.
+
+{offload}
+
+### Peak memory
+
+{callers} callers (`wrk -t2 -c{callers}`) replay one offloaded {body} response (`{path}`,
+executed once beforehand by the main proxy) for a 1 s warm-up and {duration} s. They go
+to a **fresh tool-proxy process**, started for this scenario alone with the same
+configuration on a port of its own, so that its peak RSS is this scenario's: `VmHWM`
+from `/proc/<pid>/status`, read at the end of the load while the process is still up,
+covers its whole life (start-up, warm-up and the measurement) and nothing else. RSS at
+rest is its `VmRSS` {rest_seconds} s after it answered its readiness check, before the
+load. MB = 10^6 bytes.
+
+{memory}
+
+Target: peak RSS under {target} MB while {callers} callers fetch {body} responses at once:
+{rss} ({peak:.1f} MB).\
 """

@@ -3,7 +3,9 @@
 Run it with ``bench/run`` (see docs/benchmarks.md). Every process (nginx, redis-server,
 tool-proxy, the client-comparison apps, wrk) is started here on free 127.0.0.1 ports and
 stopped at the end. Numbers are reported as ratios against the nginx hop measured in the
-same run, because the machine is shared and its absolute speed varies.
+same run, because the machine is shared and its absolute speed varies. Large responses
+(offloaded to a local-file object store) are compared with nginx serving the same file,
+and the proxy's peak RSS is read while 20 callers replay a 5 MiB one.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,16 @@ WARMUP_SECONDS = 1
 SETTLE_SECONDS = 0.3
 START_TIMEOUT = 20.0
 MARKER = "WRK_RESULT "
+MIB = 1024 * 1024
+# Offload: bodies above this go to the object store (the configuration's default).
+OFFLOAD_THRESHOLD = 102400
+# Static files the upstream serves under /big/ (see bench/nginx.conf.tmpl), by name.
+BIG_BODIES = {"1m.json": MIB, "5m.json": 5 * MIB}
+BIG_PATH = "/big/1m.json"  # big-direct and big-replay
+RSS_PATH = "/big/5m.json"  # the peak-RSS scenario
+RSS_CALLERS = 20
+# The fresh proxy of the RSS scenario idles this long before its RSS at rest is read.
+REST_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,30 @@ class Result:
     """Network reads Redis made per request: below round_trips when commands were pipelined."""
     commands: dict[str, float] | None = None
     """Redis commands per request by name (INFO commandstats: includes those run in scripts)."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The peak-RSS scenario: a fresh proxy process under offloaded replays."""
+
+    load: Result
+    path: str
+    body_bytes: int
+    rest_seconds: float
+    rest_mb: float
+    """VmRSS (MB = 10^6 bytes) of the fresh proxy, ready and idle, before the load."""
+    peak_mb: float
+    """VmHWM of the fresh proxy at the end of the load: its peak over its whole life."""
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Everything one bench/run measured."""
+
+    results: list[Result] = field(default_factory=list)
+    clients: list[Result] = field(default_factory=list)
+    offload: list[Result] = field(default_factory=list)
+    memory: Memory | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +149,9 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 @contextmanager
-def service(name: str, argv: list[str], workdir: Path, ready: Callable[[], bool]) -> Iterator[None]:
+def service(
+    name: str, argv: list[str], workdir: Path, ready: Callable[[], bool]
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``argv`` as a child (output in ``workdir/name.log``) until the block ends."""
     log_path = workdir / f"{name}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
@@ -124,7 +163,7 @@ def service(name: str, argv: list[str], workdir: Path, ready: Callable[[], bool]
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not start:\n{tail(log_path)}")
             time.sleep(0.05)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -161,36 +200,105 @@ def start_redis(stack: ExitStack, workdir: Path, port: int) -> redis.Redis:
     return client
 
 
-def start_proxy(stack: ExitStack, workdir: Path, port: int, upstream: int, redis_port: int) -> None:
+def big_body(size: int) -> bytes:
+    """A JSON document of exactly ``size`` bytes: ``{"data":"<random hex>"}``."""
+    head, tail = b'{"data":"', b'"}'
+    return head + secrets.token_hex(size // 2).encode()[: size - len(head) - len(tail)] + tail
+
+
+def write_big_bodies(workdir: Path) -> None:
+    """The large files nginx serves under /big/ (see bench/nginx.conf.tmpl)."""
+    # nginx's worker may run as another user (nobody, when started by root): let it
+    # through the temporary directory, which is created private.
+    workdir.chmod(0o711)
+    folder = workdir / "static" / "big"
+    folder.mkdir(parents=True)
+    for name, size in BIG_BODIES.items():
+        (folder / name).write_bytes(big_body(size))
+
+
+def static_file(workdir: Path, path: str) -> Path:
+    return workdir / "static" / path.lstrip("/")
+
+
+def objects_dir(workdir: Path) -> Path:
+    return workdir / "objects"
+
+
+def guarded(name: str, prefix: str, strip: bool) -> dict[str, Any]:
+    policy = {"lock_ttl": "30s", "result_ttl": "5m"}
+    return {"name": name, "path_prefix": prefix, "strip_prefix": strip, "idempotency": policy}
+
+
+def write_proxy_config(workdir: Path, ports: dict[str, int], offload: bool) -> Path:
+    """The proxy's configuration; with ``offload``, a local-file object store and /big."""
     routes = [
         {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
-        {
-            "name": "tool",
-            "path_prefix": "/tool",
-            "strip_prefix": True,
-            "idempotency": {"lock_ttl": "30s", "result_ttl": "5m"},
-        },
+        guarded("tool", "/tool", strip=True),
     ]
-    config = {
-        "store": {"url": f"redis://127.0.0.1:{redis_port}/0"},
-        "server": {"host": "127.0.0.1", "port": port},
-        "routes": [{**r, "upstream": f"http://127.0.0.1:{upstream}"} for r in routes],
+    config: dict[str, Any] = {
+        "store": {"url": f"redis://127.0.0.1:{ports['redis']}/0"},
+        "server": {"host": "127.0.0.1", "port": ports["proxy"]},
     }
+    if offload:
+        objects_dir(workdir).mkdir()
+        url = objects_dir(workdir).as_uri()
+        config["offload"] = {"url": url, "threshold_bytes": OFFLOAD_THRESHOLD}
+        routes.append(guarded("big", "/big", strip=False))
+    upstream = f"http://127.0.0.1:{ports['upstream']}"
+    config["routes"] = [{**r, "upstream": upstream} for r in routes]
     path = workdir / "proxy.yaml"
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-    argv = [str(Path(sys.executable).parent / "tool-proxy"), "serve", "--config", str(path)]
-    argv += ["--workers", "1"]
+    return path
+
+
+def start_proxy(
+    stack: ExitStack, workdir: Path, config: Path, port: int, name: str = "proxy"
+) -> subprocess.Popen[bytes]:
+    """``tool-proxy serve`` with one worker (in the process itself) on ``port``."""
+    argv = [str(Path(sys.executable).parent / "tool-proxy"), "serve", "--config", str(config)]
+    argv += ["--port", str(port), "--workers", "1"]
     ready = urls_ok(f"http://127.0.0.1:{port}/_proxy/readyz")
-    stack.enter_context(service("proxy", argv, workdir, ready))
+    return stack.enter_context(service(name, argv, workdir, ready))
 
 
-def post(url: str, key: str) -> dict[str, str]:
-    """One POST of BODY with ``key``; the response headers (raises unless 2xx)."""
+def post(url: str, key: str) -> tuple[dict[str, str], bytes]:
+    """One POST of BODY with ``key``; the response headers and body (raises unless 2xx)."""
     request = urllib.request.Request(url, BODY.encode(), method="POST")
     request.add_header("Content-Type", "application/json")
     request.add_header("Idempotency-Key", key)
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return {k.lower(): v for k, v in response.headers.items()}
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return {k.lower(): v for k, v in response.headers.items()}, response.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"POST {url}: {exc.code} {exc.read()[:500]!r}") from exc
+
+
+def fixed_key(prefix: str, args_hash: str) -> str:
+    """A new composite key for BODY, to be executed once and then replayed."""
+    return f"{prefix}-{secrets.token_hex(4)}:1:{args_hash}"
+
+
+def prime(url: str, key: str, body: bytes | None = None) -> None:
+    """Execute ``key`` once, then check that it replays (with ``body``, when given)."""
+    post(url, key)
+    headers, replayed = post(url, key)
+    if headers.get("idempotent-replayed") != "true":
+        raise RuntimeError(f"{url}: the key {key} was not replayed")
+    if body is not None and replayed != body:
+        raise RuntimeError(f"{url}: the replay of {key} is not the upstream's body")
+
+
+def count_objects(workdir: Path) -> int:
+    return sum(1 for path in objects_dir(workdir).rglob("*") if path.is_file())
+
+
+def prime_offloaded(proxy: str, path: str, key: str, workdir: Path) -> None:
+    """Execute ``key`` on the /big route once; check it was offloaded and replays intact."""
+    before = count_objects(workdir)
+    prime(f"{proxy}{path}", key, static_file(workdir, path).read_bytes())
+    if count_objects(workdir) != before + 1:
+        raise RuntimeError(f"{path}: the response was not written to the object store")
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -308,6 +416,83 @@ def compare_clients(
     return results
 
 
+# --- scenarios ---------------------------------------------------------------------------
+
+
+def proc_status_mb(pid: int, name: str) -> float:
+    """A memory line of /proc/<pid>/status (``VmRSS``, ``VmHWM``: KiB) in MB (10^6 bytes)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return int(value.split()[0]) * 1024 / 1e6
+    raise RuntimeError(f"no {name} in /proc/{pid}/status")
+
+
+def measure_core(
+    args: argparse.Namespace, ports: dict[str, int], store: redis.Redis, args_hash: str
+) -> list[Result]:
+    """direct, nginx-hop, passthrough, first-exec and replay at 1 and 32 callers."""
+    proxy = f"http://127.0.0.1:{ports['proxy']}"
+    replay_key = fixed_key("replay", args_hash)
+    prime(f"{proxy}/tool", replay_key)  # every later request is a replay
+    scenarios = [
+        Scenario("direct", f"http://127.0.0.1:{ports['upstream']}/tool"),
+        Scenario("nginx-hop", f"http://127.0.0.1:{ports['hop']}/tool"),
+        Scenario("passthrough", f"{proxy}/pass"),
+        Scenario("first-exec", f"{proxy}/tool", "unique", "b"),
+        Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
+    ]
+    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+
+
+def measure_offload(
+    args: argparse.Namespace,
+    workdir: Path,
+    ports: dict[str, int],
+    store: redis.Redis,
+    args_hash: str,
+) -> list[Result]:
+    """big-direct (nginx serves the 1 MiB file) and big-replay (offloaded, replayed)."""
+    proxy = f"http://127.0.0.1:{ports['proxy']}"
+    key = fixed_key("big", args_hash)
+    prime_offloaded(proxy, BIG_PATH, key, workdir)
+    scenarios = [
+        Scenario("big-direct", f"http://127.0.0.1:{ports['upstream']}{BIG_PATH}"),
+        Scenario("big-replay", f"{proxy}{BIG_PATH}", "fixed", key),
+    ]
+    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+
+
+def measure_memory(
+    args: argparse.Namespace,
+    workdir: Path,
+    ports: dict[str, int],
+    store: redis.Redis,
+    args_hash: str,
+) -> Memory:
+    """RSS_CALLERS callers replay an offloaded 5 MiB response through a fresh proxy.
+
+    The key is executed by the main proxy; a new proxy process (same configuration, its
+    own port) then only serves this scenario, so its VmHWM is this scenario's peak.
+    """
+    key = fixed_key("rss", args_hash)
+    prime_offloaded(f"http://127.0.0.1:{ports['proxy']}", RSS_PATH, key, workdir)
+    print(f"peak RSS, fresh proxy, {RSS_CALLERS} callers:", flush=True)
+    with ExitStack() as stack:
+        config = workdir / "proxy.yaml"
+        proc = start_proxy(stack, workdir, config, ports["proxy-rss"], name="proxy-rss")
+        time.sleep(REST_SECONDS)
+        rest = proc_status_mb(proc.pid, "VmRSS")
+        url = f"http://127.0.0.1:{ports['proxy-rss']}{RSS_PATH}"
+        scenario = Scenario("replay-5MiB", url, "fixed", key)
+        load = measure(scenario, RSS_CALLERS, args.duration, args_hash, store)
+        peak = proc_status_mb(proc.pid, "VmHWM")
+    size = BIG_BODIES[RSS_PATH.rsplit("/", 1)[1]]
+    memory = Memory(load, RSS_PATH, size, REST_SECONDS, rest, peak)
+    print(f"  {report.memory_line(memory)}", flush=True)
+    return memory
+
+
 # --- main --------------------------------------------------------------------------------
 
 
@@ -322,6 +507,12 @@ def parse_args() -> argparse.Namespace:
         "--clients", action="store_true", help="only the httpx/aiohttp comparison (no docs)"
     )
     parser.add_argument("--no-docs", action="store_true", help=f"do not write {DOCS.name}")
+    parser.add_argument(
+        "--no-offload",
+        dest="offload",
+        action="store_false",
+        help="skip the large-response (offload) throughput and peak-RSS scenarios",
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration = 2
@@ -330,32 +521,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    ports = {name: free_port() for name in ("upstream", "hop", "proxy", "redis")}
-    direct = Scenario("direct", f"http://127.0.0.1:{ports['upstream']}/tool")
+def run(args: argparse.Namespace, workdir: Path) -> Runs:
+    names = ("upstream", "hop", "proxy", "proxy-rss", "redis")
+    ports = {name: free_port() for name in names}
     hop = Scenario("nginx-hop", f"http://127.0.0.1:{ports['hop']}/tool")
     with ExitStack() as stack:
+        write_big_bodies(workdir)
         start_nginx(stack, workdir, ports["upstream"], ports["hop"])
         if args.clients:
-            return {"clients": compare_clients(stack, workdir, ports["upstream"], hop, args)}
+            return Runs(clients=compare_clients(stack, workdir, ports["upstream"], hop, args))
         store = start_redis(stack, workdir, ports["redis"])
-        start_proxy(stack, workdir, ports["proxy"], ports["upstream"], ports["redis"])
-        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        config = write_proxy_config(workdir, ports, offload=args.offload)
+        start_proxy(stack, workdir, config, ports["proxy"])
         args_hash = composite_key("bench", 1, BODY.encode()).rsplit(":", 1)[1]
-        replay_key = f"replay-{secrets.token_hex(4)}:1:{args_hash}"
-        post(f"{proxy}/tool", replay_key)  # prime: every later request is a replay
-        if post(f"{proxy}/tool", replay_key).get("idempotent-replayed") != "true":
-            raise RuntimeError("the replay key was not replayed")
-        scenarios = [
-            direct,
-            hop,
-            Scenario("passthrough", f"{proxy}/pass"),
-            Scenario("first-exec", f"{proxy}/tool", "unique", "b"),
-            Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
-        ]
-        results = run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+        results = measure_core(args, ports, store, args_hash)
+        offload: list[Result] = []
+        memory = None
+        if args.offload:
+            offload = measure_offload(args, workdir, ports, store, args_hash)
+            memory = measure_memory(args, workdir, ports, store, args_hash)
         clients = compare_clients(stack, workdir, ports["upstream"], hop, args)
-    return {"results": results, "clients": clients}
+    return Runs(results, clients, offload, memory)
 
 
 def git_commit() -> str:
@@ -392,16 +578,15 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="tool-proxy-bench-") as tmp:
         runs = run(args, Path(tmp))
-    results, clients = runs.get("results", []), runs["clients"]
     print()
-    print(report.text(results, clients))
+    print(report.text(runs))
     RESULTS.mkdir(exist_ok=True)
-    raw = {**meta, **{k: [asdict(r) for r in v] for k, v in runs.items()}}
+    raw = {**meta, **asdict(runs)}
     out = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     out.write_text(json.dumps(raw, indent=2))
     print(f"\nraw results: {out.relative_to(ROOT)}")
-    if results and not (args.quick or args.no_docs):
-        DOCS.write_text(report.markdown(meta, results, clients))
+    if runs.results and not (args.quick or args.no_docs):
+        DOCS.write_text(report.markdown(meta, runs))
         print(f"wrote {DOCS.relative_to(ROOT)}")
     return 0
 
