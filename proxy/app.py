@@ -168,7 +168,7 @@ class Proxy:
         check_path(path, scope.get("raw_path") or path.encode())
         route = self.router.match(path)
         trace.route = route.name
-        principal = await self._principal(request, route)
+        principal = "" if route.auth is None else await self._principal(request, route)
         guard = self.guards.get(route.name)
         if self.tokens is not None and self.tokens.applies(route.name):
             return await self._with_token(request, route, principal, guard, trace)

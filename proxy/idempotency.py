@@ -48,6 +48,10 @@ from proxy.store import Record, RecordKey, State, Store
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 
+# Chunks buffered between an offloaded body's recording and its first caller, and how
+# long a caller may read nothing before it is dropped (the recording goes on).
+TEE_CHUNKS = 16
+TEE_STALL_SECONDS = 30.0
 # Polling interval while a duplicate waits (conflict_wait) for the first call.
 CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
@@ -75,21 +79,54 @@ class Operation:
     fingerprint: str
 
 
-def _bytes(body: bytes | Spool, keep: bool = False) -> bytes:
-    """The body as bytes (a spool is read whole; ``keep`` leaves it open for the caller)."""
+def _bytes(body: bytes | Spool) -> bytes:
+    """The body as bytes (a spool is read whole)."""
     if not isinstance(body, Spool):
         return body
     body.file.seek(0)
-    return body.file.read() if keep else body.read_all()
+    return body.file.read()
 
 
-def _answer(upstream: UpstreamResponse, body: bytes | Spool) -> Response:
-    """The first caller's response: every end-to-end header, the body streamed if spooled."""
-    if isinstance(body, bytes):
-        return StoredResponse(upstream.status, upstream.headers, body).to_response(replayed=False)
-    response = StreamingResponse(body.chunks(), upstream.status)
-    response.raw_headers = [*upstream.headers, (b"content-length", str(body.size).encode())]
-    return response
+class Tee:
+    """Chunks from the recording task to the first caller.
+
+    Bounded (the caller's pace holds the upstream back), and a caller that left, or reads
+    nothing for ``TEE_STALL_SECONDS``, is dropped: the recording goes on without it.
+    """
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(TEE_CHUNKS)
+        self._gone = asyncio.Event()
+
+    async def offer(self, item: bytes | BaseException | None) -> None:
+        if self._gone.is_set():
+            return
+        try:
+            async with asyncio.timeout(TEE_STALL_SECONDS):
+                put = asyncio.ensure_future(self._queue.put(item))
+                gone = asyncio.ensure_future(self._gone.wait())
+                try:
+                    await asyncio.wait({put, gone}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    put.cancel()
+                    gone.cancel()
+        except TimeoutError:
+            self._gone.set()
+
+    async def end(self) -> None:
+        await self.offer(None)
+
+    async def fail(self, exc: BaseException) -> None:
+        await self.offer(exc)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            while (item := await self._queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._gone.set()
 
 
 class Lease:
@@ -294,7 +331,7 @@ class Guard:
             self.log.warning(
                 "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
             )
-            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body, keep=True))
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)
 
     async def _execute(
@@ -303,7 +340,9 @@ class Guard:
         lease = Lease(self, op, owner)
         try:
             upstream = await forward()
-            body = await self._read(upstream)
+            if self._tees(upstream):
+                return self._tee(op, owner, upstream, lease)
+            body = await upstream.read()
         except (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable):
             lease.stop()  # nothing was sent (no connection, or no downstream token)
             await self._release(op, owner)
@@ -315,27 +354,76 @@ class Guard:
         except BaseException:
             lease.stop()
             raise
+        answer = StoredResponse(upstream.status, upstream.headers, body).to_response(replayed=False)
         if upstream.status in self._release_on:
             lease.stop()
             await self._release(op, owner)
-            return _answer(upstream, body), Outcome.RELEASED
+            return answer, Outcome.RELEASED
         stored = await self._storable(upstream, body)
         await self._record(op, owner, State.COMPLETED, stored, lease)
-        return _answer(upstream, body), Outcome.EXECUTED
+        return answer, Outcome.EXECUTED
 
-    async def _read(self, upstream: UpstreamResponse) -> bytes | Spool:
-        """The body: whole, or spooled to disk when it will go to object storage."""
+    def _tees(self, upstream: UpstreamResponse) -> bool:
+        """True if the body may go to object storage: it then streams as it is recorded."""
         offload = self.offload
-        if offload is None or (upstream.length is not None and not offload.wants(upstream.length)):
-            return await upstream.read()
-        spool = Spool(offload.threshold)
+        return offload is not None and (upstream.length is None or offload.wants(upstream.length))
+
+    def _tee(
+        self, op: Operation, owner: str, upstream: UpstreamResponse, lease: Lease
+    ) -> tuple[Response, Outcome]:
+        """Stream the body to the caller while it is spooled and recorded in the background.
+
+        The last chunk is held back until the outcome is recorded, so the caller never gets
+        a complete response that a retry would not get too.
+        """
+        tee = Tee()
+        self.tasks.spawn(self._spool_and_record(op, owner, upstream, lease, tee))
+        response = StreamingResponse(tee.chunks(), upstream.status)
+        length = (
+            [] if upstream.length is None else [(b"content-length", str(upstream.length).encode())]
+        )
+        response.raw_headers = [*upstream.headers, *length]
+        released = upstream.status in self._release_on
+        return response, Outcome.RELEASED if released else Outcome.EXECUTED
+
+    async def _spool_and_record(
+        self, op: Operation, owner: str, upstream: UpstreamResponse, lease: Lease, tee: Tee
+    ) -> None:
+        assert self.offload is not None
+        spool = Spool(self.offload.threshold)
+        held: bytes | None = None
         try:
-            async for chunk in upstream.stream():
-                spool.write(chunk)
-        except BaseException:
-            spool.close()
+            try:
+                async for chunk in upstream.stream():
+                    spool.write(chunk)
+                    if held is not None:
+                        await tee.offer(held)
+                    held = chunk
+            except OutcomeUnknown as exc:
+                self.log.error(
+                    "outcome_unknown_mid_body",
+                    route=self.route.name,
+                    key=op.label,
+                    error=exc.detail,
+                )
+                await self._record(op, owner, State.FAILED, StoredResponse.of_problem(exc), lease)
+                await tee.fail(exc)
+                return
+            if upstream.status in self._release_on:
+                lease.stop()
+                await self._release(op, owner)
+            else:
+                stored = await self._storable(upstream, spool)
+                await self._record(op, owner, State.COMPLETED, stored, lease)
+            if held is not None:
+                await tee.offer(held)
+            await tee.end()
+        except BaseException as exc:
+            lease.stop()
+            await tee.fail(exc)
             raise
-        return spool if offload.wants(spool.size) else spool.read_all()
+        finally:
+            spool.close()
 
     async def _release(self, op: Operation, owner: str) -> None:
         try:

@@ -86,7 +86,8 @@ class CountingTool:
     """An upstream that counts how often each request was executed.
 
     Query parameters shape the answer: ``delay`` (seconds), ``status``, ``size`` (a
-    streamed body of that many bytes), ``cookie`` (adds Set-Cookie).
+    streamed body of that many bytes, ``chunk_delay`` seconds between 64 KiB chunks),
+    ``cookie`` (adds Set-Cookie).
     """
 
     def __init__(self) -> None:
@@ -134,8 +135,12 @@ class CountingTool:
             headers["Set-Cookie"] = "session=secret-session; Path=/"
         if "size" in query:
             size = int(query["size"])
+            pause = float(query.get("chunk_delay", 0))
             return StreamingResponse(
-                _chunks(size), status, headers=headers, media_type="application/octet-stream"
+                _chunks(size, pause),
+                status,
+                headers=headers,
+                media_type="application/octet-stream",
             )
         payload = {
             "execution": self.executions[key],
@@ -145,13 +150,15 @@ class CountingTool:
         return Response(json.dumps(payload), status, headers=headers, media_type="application/json")
 
 
-async def _chunks(size: int) -> Any:
+async def _chunks(size: int, pause: float = 0.0) -> Any:
     block = bytes(range(256)) * 256
     sent = 0
     while sent < size:
         piece = block[: min(len(block), size - sent)]
         sent += len(piece)
         yield piece
+        if pause:
+            await asyncio.sleep(pause)
 
 
 class BreakingTool:

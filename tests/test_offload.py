@@ -240,3 +240,47 @@ def test_sweep_removes_objects_older_than_every_record(tmp_path: Path, s3: S3) -
     remote = Offload(OffloadConfig(**s3_offload(s3)))
     assert asyncio.run(run(remote)) == (0, 2)
     assert s3.keys() == []
+
+
+def test_offloaded_response_streams_to_the_caller_while_it_is_recorded(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    import time
+
+    proxy = make_proxy(route(tool.url), offload={"url": "memory://", "threshold_bytes": 1000})
+    key = new_key(BODY)
+    size = 16 * 65536  # 16 chunks, 0.1 s apart: the upstream takes about 1.5 s
+    url = f"{proxy.url}/tools/big?size={size}&chunk_delay=0.1"
+    started = time.monotonic()
+    first_byte_at = None
+    body = bytearray()
+    with httpx.stream("POST", url, json=BODY, headers={"Idempotency-Key": key}, timeout=60) as r:
+        for chunk in r.iter_raw():
+            first_byte_at = first_byte_at or time.monotonic() - started
+            body.extend(chunk)
+    total = time.monotonic() - started
+    assert bytes(body) == expected(size)
+    assert first_byte_at is not None and first_byte_at < total / 2  # streamed, not buffered
+    replay = call(url, key)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == expected(size)
+    assert tool.count(key) == 1
+
+
+def test_a_caller_leaving_mid_stream_does_not_stop_the_recording(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    import time
+
+    proxy = make_proxy(route(tool.url), offload={"url": "memory://", "threshold_bytes": 1000})
+    key = new_key(BODY)
+    size = 8 * 65536
+    url = f"{proxy.url}/tools/big?size={size}&chunk_delay=0.1"
+    with httpx.stream("POST", url, json=BODY, headers={"Idempotency-Key": key}, timeout=60) as r:
+        next(r.iter_raw())  # one chunk, then the caller hangs up
+    time.sleep(1.5)  # the upstream finishes; the proxy records without the caller
+    replay = call(url, key)
+    assert replay.status_code == 200
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == expected(size)
+    assert tool.count(key) == 1
