@@ -34,6 +34,7 @@ from proxy.errors import (
     RequestTooLarge,
     StoredResponseUnavailable,
     StoreUnavailable,
+    Unauthorized,
     UpstreamUnreachable,
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
@@ -233,11 +234,25 @@ class Proxy:
         return await self._send(request, route, body, authorization=token)
 
     async def _principal(self, request: Request, route: RouteConfig) -> str:
-        """The caller's principal digest ("" when the route does not authenticate)."""
-        if route.auth is None or self.auth is None:
+        """The caller's principal digest ("" when no token is sent and none is required).
+
+        On a route that opted in to refresh tokens, a genuine but expired caller token
+        still passes while the proxy holds a refresh token for that caller.
+        """
+        assert route.auth is not None
+        if self.auth is None:
             return ""
-        caller = await self.auth.caller(request.headers.get("authorization"), route.auth.required)
-        return "" if caller is None else caller.principal
+        refreshes = self.tokens is not None and self.tokens.refreshes(route.name)
+        caller = await self.auth.caller(
+            request.headers.get("authorization"), route.auth.required, allow_expired=refreshes
+        )
+        if caller is None:
+            return ""
+        if caller.expired and not (
+            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.principal)
+        ):
+            raise Unauthorized("the token has expired")
+        return caller.principal
 
     def _send(
         self,

@@ -301,6 +301,8 @@ class TokenConfig(_Strict):
     resource: str | None = None
     scope: str | None = None
     refresh_ahead: float = Field(default=DEFAULT_REFRESH_AHEAD, gt=0, lt=1)
+    use_refresh_tokens: bool = False
+    actor_token_env: str | None = None
 
     @model_validator(mode="after")
     def _complete(self) -> TokenConfig:

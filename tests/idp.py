@@ -36,6 +36,8 @@ class IdentityProvider:
         self.client_secret = "s3cr3t-client-secret"
         self.token_lifetime = 300
         self.refuse_with: str | None = None
+        self.issue_refresh_tokens = False
+        self._refresh_owner: dict[str, str] = {}
         self.grants: list[dict[str, str]] = []
         self.app = Starlette(
             routes=[
@@ -107,12 +109,23 @@ class IdentityProvider:
             return JSONResponse({"error": self.refuse_with}, 400)
         subject = form.get("subject_token") or form.get("assertion")
         who = "machine"
-        if subject:
+        if form.get("grant_type") == "refresh_token":
+            if form.get("refresh_token") not in self._refresh_owner:
+                return JSONResponse({"error": "invalid_grant"}, 400)
+            who = self._refresh_owner[form["refresh_token"]]
+        elif subject:
             who = jwt.decode(subject, options={"verify_signature": False})["sub"]
         token = f"dt-{len(self.grants)}-{who}"
-        return JSONResponse(
-            {"access_token": token, "token_type": "Bearer", "expires_in": self.token_lifetime}
-        )
+        answer: dict[str, Any] = {
+            "access_token": token,
+            "token_type": "Bearer",
+            "expires_in": self.token_lifetime,
+        }
+        if self.issue_refresh_tokens:
+            refresh = f"rt-{len(self.grants)}-{who}"
+            self._refresh_owner[refresh] = who
+            answer.update(refresh_token=refresh, refresh_expires_in=3600)
+        return JSONResponse(answer)
 
     async def discovery(self, request: Request) -> Response:
         return JSONResponse({"issuer": self.issuer, "jwks_uri": f"{self.url}/jwks"})

@@ -318,3 +318,60 @@ def test_replicas_share_one_exchange_through_redis_sealed(
         sock.sendall(b"GET " + name + b"\r\n")
         stored = sock.recv(65536)
     assert b"dt-1-alice" not in stored and len(stored) > 40  # sealed at rest
+
+
+def test_refresh_tokens_renew_without_the_callers_token(idp: IdentityProvider) -> None:
+    idp.token_lifetime = 100
+    idp.issue_refresh_tokens = True
+    clock = [0.0]
+    tokens = tokens_for(idp, clock, use_refresh_tokens=True)
+
+    async def run() -> tuple[str, str, bool]:
+        first = await tokens.token("tool", "p", idp.token("alice"))
+        clock[0] = 90.0  # due for renewal; the caller's token is gone by now
+        second = await tokens.token("tool", "p", None)
+        can = await tokens.can_refresh("tool", "p")
+        await tokens.close()
+        return first, second, can
+
+    assert asyncio.run(run()) == ("dt-1-alice", "dt-2-alice", True)
+    assert idp.grants[1]["grant_type"] == "refresh_token"
+    assert idp.grants[1]["refresh_token"] == "rt-1-alice"
+
+
+def test_an_expired_caller_token_passes_only_with_a_refresh_token(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    import time
+
+    idp.issue_refresh_tokens = True
+    proxy = make_proxy(
+        token_route(tool, idp, "token_exchange", use_refresh_tokens=True), auth=auth_section(idp)
+    )
+    now = int(time.time())
+    assert call(f"{proxy.url}/tools/db", idp.token("alice")).status_code == 200
+    expired_alice = idp.token("alice", exp=now - 120, iat=now - 600)
+    assert call(f"{proxy.url}/tools/db", expired_alice).status_code == 200  # the plan goes on
+    expired_bob = idp.token("bob", exp=now - 120, iat=now - 600)
+    refused = call(f"{proxy.url}/tools/db", expired_bob)
+    assert refused.status_code == 401
+    assert "expired" in refused.json()["detail"]
+    forged = idp.token("alice", exp=now - 120, iat=now - 600, aud="someone-else")
+    assert call(f"{proxy.url}/tools/db", forged).status_code == 401
+
+
+def test_token_exchange_sends_the_actor_token(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TOOL_PROXY_TEST_ACTOR", "agent-identity-token")
+    proxy = make_proxy(
+        token_route(tool, idp, "token_exchange", actor_token_env="TOOL_PROXY_TEST_ACTOR"),
+        auth=auth_section(idp),
+    )
+    assert call(f"{proxy.url}/tools/db", idp.token("alice")).status_code == 200
+    [grant] = idp.grants
+    assert grant["actor_token"] == "agent-identity-token"
+    assert grant["actor_token_type"] == "urn:ietf:params:oauth:token-type:access_token"

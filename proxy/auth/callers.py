@@ -8,6 +8,7 @@ the trusted ones, and its keys by ``kid``.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ class Caller:
     principal: str
     """A digest of the principal claims: records are scoped by it."""
     claims: dict[str, Any]
+    expired: bool = False
+    """Only with ``allow_expired``: the token is genuine but past its ``exp``."""
 
 
 def principal_of(claims: Mapping[str, Any], names: Sequence[str]) -> str:
@@ -63,16 +66,18 @@ class Authenticator:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def caller(self, authorization: str | None, required: bool) -> Caller | None:
+    async def caller(
+        self, authorization: str | None, required: bool, allow_expired: bool = False
+    ) -> Caller | None:
         """The caller, None when no token was sent and none is required; else 401."""
         token = bearer_token(authorization)
         if token is None:
             if required:
                 raise Unauthorized("this route requires a bearer token", error="")
             return None
-        return await self.validate(token)
+        return await self.validate(token, allow_expired)
 
-    async def validate(self, token: str) -> Caller:
+    async def validate(self, token: str, allow_expired: bool = False) -> Caller:
         """Check signature, algorithm, issuer, audience and times; 401 on any failure."""
         try:
             header = jwt.get_unverified_header(token)
@@ -94,8 +99,12 @@ class Authenticator:
                 audience=list(issuer.audiences),
                 issuer=issuer.issuer,
                 leeway=issuer.leeway,
-                options={"require": [*_REQUIRED, *issuer.required_claims]},
+                options={
+                    "require": [*_REQUIRED, *issuer.required_claims],
+                    "verify_exp": not allow_expired,
+                },
             )
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"the token is not valid: {exc}") from exc
-        return Caller(principal_of(claims, self._principal), claims)
+        expired = allow_expired and claims["exp"] < time.time() - issuer.leeway
+        return Caller(principal_of(claims, self._principal), claims, expired)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
@@ -47,6 +48,8 @@ MIN_VALIDITY_SECONDS = 10.0
 # others look for the token it publishes.
 SHARED_LOCK_SECONDS = 10.0
 SHARED_POLL_SECONDS = 0.05
+# How long a refresh token is kept when the IdP does not say (refresh_expires_in).
+DEFAULT_REFRESH_LIFETIME = 8 * 3600.0
 # Time allowed for one token endpoint call.
 TOKEN_TIMEOUT_SECONDS = 10.0
 
@@ -56,6 +59,8 @@ class _Cached:
     token: str
     refresh_at: float
     expires_at: float
+    refresh_token: str | None = None
+    refresh_expires_at: float = 0.0
 
 
 def load_secret(config: TokenConfig) -> Secret | str:
@@ -130,7 +135,10 @@ class DownstreamTokens:
             return cached.token
         fetch = self._pending.get(key)
         if fetch is None:
-            fetch = asyncio.get_running_loop().create_task(self._obtain(route, key, subject))
+            renewal = cached.refresh_token if cached is not None else None
+            fetch = asyncio.get_running_loop().create_task(
+                self._obtain(route, key, subject, renewal)
+            )
             self._pending[key] = fetch
             fetch.add_done_callback(lambda task: self._settled(key, task))
         try:
@@ -153,10 +161,30 @@ class DownstreamTokens:
         key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
         self._cache.pop(key, None)
 
-    async def _obtain(self, route: str, key: tuple[str, str], subject: str | None) -> _Cached:
+    def refreshes(self, route: str) -> bool:
+        """True if ``route`` opted in to refresh tokens (callers may outlive their token)."""
+        found = self._policies.get(route)
+        return found is not None and found[0].use_refresh_tokens
+
+    async def can_refresh(self, route: str, principal: str) -> bool:
+        """True if a refresh token can renew this caller's downstream token."""
+        key = (route, principal)
+        cached = self._cache.get(key)
+        if cached is None and self._shared is not None:
+            cached = await self._read_shared("token|" + "|".join(key), fresh_only=False)
+        if cached is None:
+            return False
+        if cached.refresh_token is not None and self._clock() < cached.refresh_expires_at:
+            self._cache.setdefault(key, cached)
+            return True
+        return False
+
+    async def _obtain(
+        self, route: str, key: tuple[str, str], subject: str | None, renewal: str | None = None
+    ) -> _Cached:
         """A fresh token: from the other replicas through the store, or fetched (by one)."""
         if self._shared is None:
-            return await self._fetch(route, subject)
+            return await self._fetch(route, subject, renewal)
         name = "token|" + "|".join(key)
         shared = await self._read_shared(name)
         if shared is not None:
@@ -165,19 +193,22 @@ class DownstreamTokens:
         try:
             locked = await self._shared.acquire(name, me, SHARED_LOCK_SECONDS)
         except StoreUnavailable:
-            return await self._fetch(route, subject)
+            return await self._fetch(route, subject, renewal)
         if not locked:
-            return await self._wait_shared(name) or await self._fetch(route, subject)
+            return await self._wait_shared(name) or await self._fetch(route, subject, renewal)
         try:
-            fresh = await self._fetch(route, subject)
+            # another replica may have published between our read and our lock
+            if (published := await self._read_shared(name)) is not None:
+                return published
+            fresh = await self._fetch(route, subject, renewal)
             await self._publish(name, fresh)
             return fresh
         finally:
             with contextlib.suppress(StoreUnavailable):
                 await self._shared.unlock(name, me)
 
-    async def _read_shared(self, name: str) -> _Cached | None:
-        """A token another replica published, if it does not need renewing yet."""
+    async def _read_shared(self, name: str, fresh_only: bool = True) -> _Cached | None:
+        """A token another replica published (if ``fresh_only``: one not due for renewal)."""
         assert self._shared is not None and self._sealer is not None
         try:
             sealed = await self._shared.get_value(name)
@@ -186,8 +217,8 @@ class DownstreamTokens:
         document = None if sealed is None else self._sealer.open(name, sealed)
         if document is None:
             return None
-        cached = _Cached(document["token"], document["refresh_at"], document["expires_at"])
-        return cached if self._clock() < cached.refresh_at else None
+        cached = _Cached(**document)
+        return cached if not fresh_only or self._clock() < cached.refresh_at else None
 
     async def _wait_shared(self, name: str) -> _Cached | None:
         """Wait for the replica that holds the lock to publish its token."""
@@ -200,19 +231,26 @@ class DownstreamTokens:
 
     async def _publish(self, name: str, fresh: _Cached) -> None:
         assert self._shared is not None and self._sealer is not None
-        document = {
-            "token": fresh.token,
-            "refresh_at": fresh.refresh_at,
-            "expires_at": fresh.expires_at,
-        }
-        ttl = fresh.expires_at - self._clock()
+        document = dataclasses.asdict(fresh)
+        ttl = max(fresh.expires_at, fresh.refresh_expires_at) - self._clock()
         if ttl > 0:
             with contextlib.suppress(StoreUnavailable):
                 await self._shared.put_value(name, self._sealer.seal(name, document), ttl)
 
-    async def _fetch(self, route: str, subject: str | None) -> _Cached:
+    async def _fetch(self, route: str, subject: str | None, renewal: str | None = None) -> _Cached:
+        policy, _ = self._policies[route]
+        if renewal is not None and policy.use_refresh_tokens:
+            try:
+                return await self._post(
+                    route, {"grant_type": "refresh_token", "refresh_token": renewal}
+                )
+            except ReauthenticationRequired:
+                if subject is None:
+                    raise  # no caller token to start over with
+        return await self._post(route, _grant(policy, subject))
+
+    async def _post(self, route: str, form: dict[str, str]) -> _Cached:
         policy, secret = self._policies[route]
-        form = _grant(policy, subject)
         form.update({"client_id": policy.client_id or "", "client_secret": str(secret)})
         try:
             response = await self._http.post(policy.token_endpoint or "", data=form)
@@ -240,7 +278,15 @@ class DownstreamTokens:
         lifetime = float(document.get("expires_in", 300))
         now = self._clock()
         refresh_at = now + min(lifetime * policy.refresh_ahead, lifetime - MIN_VALIDITY_SECONDS)
-        return _Cached(str(document["access_token"]), refresh_at, now + lifetime)
+        refresh_token = document.get("refresh_token") if policy.use_refresh_tokens else None
+        refresh_lifetime = float(document.get("refresh_expires_in", DEFAULT_REFRESH_LIFETIME))
+        return _Cached(
+            str(document["access_token"]),
+            refresh_at,
+            now + lifetime,
+            str(refresh_token) if refresh_token else None,
+            now + refresh_lifetime if refresh_token else 0.0,
+        )
 
 
 def _grant(policy: TokenConfig, subject: str | None) -> dict[str, str]:
@@ -253,6 +299,8 @@ def _grant(policy: TokenConfig, subject: str | None) -> dict[str, str]:
             "subject_token_type": ACCESS_TOKEN_TYPE,
             "requested_token_type": ACCESS_TOKEN_TYPE,
         }
+        if policy.actor_token_env and (actor := os.environ.get(policy.actor_token_env)):
+            form.update(actor_token=actor, actor_token_type=ACCESS_TOKEN_TYPE)
     else:
         form = {
             "grant_type": JWT_BEARER_GRANT,
