@@ -44,6 +44,8 @@ class ObjectRef:
     path: str
     size: int
     sha256: str
+    uri: str = ""
+    """The full object URI (offload.url + path), for people reading the store."""
 
 
 def _store_options(config: OffloadConfig) -> dict[str, Any]:
@@ -137,10 +139,11 @@ class Offload:
         if isinstance(body, Spool):
             body.file.seek(0)
             data: bytes | IO[bytes] = body.file
-            ref = ObjectRef(path, body.size, body.sha256)
+            size, digest = body.size, body.sha256
         else:
             data = body
-            ref = ObjectRef(path, len(body), hashlib.sha256(body).hexdigest())
+            size, digest = len(body), hashlib.sha256(body).hexdigest()
+        ref = ObjectRef(path, size, digest, f"{self.url.rstrip('/')}/{path}")
         try:
             await obstore.put_async(self._store, path, data, mode="create")
         except (BaseError, OSError) as exc:

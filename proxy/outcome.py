@@ -58,6 +58,7 @@ class StoredResponse:
         }
         if self.ref is not None:
             meta["object"] = {
+                "uri": self.ref.uri,
                 "path": self.ref.path,
                 "size": self.ref.size,
                 "sha256": self.ref.sha256,
@@ -71,7 +72,9 @@ class StoredResponse:
             meta = json.loads(meta_line)
             headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
             obj = meta.get("object")
-            ref = None if obj is None else ObjectRef(obj["path"], int(obj["size"]), obj["sha256"])
+            ref = None
+            if obj is not None:
+                ref = ObjectRef(obj["path"], int(obj["size"]), obj["sha256"], obj.get("uri", ""))
             return cls(int(meta["status"]), headers, body, ref)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StoreError("a stored outcome is malformed") from exc

@@ -103,6 +103,9 @@ def test_s3_replays_byte_for_byte(
         [object_key] = s3.keys()
         assert object_key.startswith("responses/tool/")
         assert hashlib.sha256(expected(size)).hexdigest().encode() in payload
+        assert (
+            f"s3://{BUCKET}/responses/{object_key.removeprefix('responses/')}".encode() in payload
+        )
     else:
         assert s3.keys() == []
         assert payload.endswith(expected(size))
