@@ -10,6 +10,7 @@ import pytest
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
+from tests.idp import IdentityProvider
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
 ProxyFactory = Callable[..., ThreadServer]
@@ -35,6 +36,21 @@ def tool() -> Iterator[CountingTool]:
     counting.url = server.url
     yield counting
     server.stop()
+
+
+@pytest.fixture
+def idp_server() -> Iterator[tuple[IdentityProvider, ThreadServer]]:
+    """A real identity provider (JWKS, discovery, token endpoint) on a free port."""
+    provider = IdentityProvider()
+    server = ThreadServer(provider.app).start()
+    provider.url = server.url
+    yield provider, server
+    server.stop()
+
+
+@pytest.fixture
+def idp(idp_server: tuple[IdentityProvider, ThreadServer]) -> IdentityProvider:
+    return idp_server[0]
 
 
 def route(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,18 +15,9 @@ from proxy.config import parse_config
 from proxy.errors import Unauthorized
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import AUDIENCE, IdentityProvider
-from tests.servers import CountingTool, ThreadServer, free_port
+from tests.servers import CountingTool, free_port
 
 BODY = {"db": "orders"}
-
-
-@pytest.fixture
-def idp() -> Iterator[IdentityProvider]:
-    provider = IdentityProvider()
-    server = ThreadServer(provider.app).start()
-    provider.url = server.url
-    yield provider
-    server.stop()
 
 
 def auth_config(idp: IdentityProvider, **issuer: Any) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,9 @@ BODY = {"db": "orders"}
 SECRET_ENV = "TOOL_PROXY_TEST_CLIENT_SECRET"
 
 
-@pytest.fixture
-def idp_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[IdentityProvider, ThreadServer]]:
-    provider = IdentityProvider()
-    server = ThreadServer(provider.app).start()
-    provider.url = server.url
-    monkeypatch.setenv(SECRET_ENV, provider.client_secret)
-    yield provider, server
-    server.stop()
-
-
-@pytest.fixture
-def idp(idp_server: tuple[IdentityProvider, ThreadServer]) -> IdentityProvider:
-    return idp_server[0]
+@pytest.fixture(autouse=True)
+def client_secret(idp: IdentityProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, idp.client_secret)
 
 
 def auth_section(idp: IdentityProvider) -> dict[str, Any]:
