@@ -23,7 +23,7 @@ from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
 from proxy.auth.tokens import DownstreamTokens
 from proxy.background import TaskSet
-from proxy.config import RESERVED_PREFIX, Config, RouteConfig, load_config
+from proxy.config import RESERVED_PREFIX, Config, RouteConfig, TokenMode, load_config
 from proxy.errors import (
     BadRequest,
     InvalidPath,
@@ -107,6 +107,16 @@ def _respond(upstream: UpstreamResponse, body: bytes, head: bool) -> Response:
     return response
 
 
+def _downstream_tokens(config: Config, store: Store) -> DownstreamTokens | None:
+    """The token cache, when some route forwards a token of its own."""
+    if not any(r.token and r.token.mode is not TokenMode.PASSTHROUGH for r in config.routes):
+        return None
+    sealer = None
+    if config.auth is not None and config.auth.token_cache_key_env:
+        sealer = Sealer(load_key(config.auth.token_cache_key_env))
+    return DownstreamTokens(list(config.routes), store=store, sealer=sealer)
+
+
 class Proxy:
     """The catch-all endpoint: match a route, then pass through or guard."""
 
@@ -126,11 +136,7 @@ class Proxy:
         self.max_body = config.limits.max_body_bytes
         self.metrics = Metrics()
         self.auth = Authenticator(config.auth) if config.auth else None
-        sealer = None
-        if config.auth is not None and config.auth.token_cache_key_env:
-            sealer = Sealer(load_key(config.auth.token_cache_key_env))
-        tokens = DownstreamTokens(list(config.routes), store=store, sealer=sealer)
-        self.tokens = tokens if tokens.has_policies else None
+        self.tokens = _downstream_tokens(config, store)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""

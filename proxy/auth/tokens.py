@@ -113,11 +113,6 @@ class DownstreamTokens:
         self._cache: dict[tuple[str, str], _Cached] = {}
         self._pending: dict[tuple[str, str], asyncio.Task[_Cached]] = {}
 
-    @property
-    def has_policies(self) -> bool:
-        """True if any route forwards a token of its own."""
-        return bool(self._policies)
-
     def applies(self, route: str) -> bool:
         """True if ``route`` forwards a token of its own."""
         return route in self._policies
