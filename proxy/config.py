@@ -57,6 +57,8 @@ DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
 DEFAULT_REFRESH_AHEAD = 0.8
 # How long fetched signing keys are trusted before they are fetched again.
 DEFAULT_JWKS_TTL = 300.0
+# How long a presigned URL of an offloaded body (offload.presign) stays valid.
+DEFAULT_PRESIGN_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 
@@ -230,6 +232,8 @@ class OffloadConfig(_Strict):
     endpoint_url: str | None = None
     region: str | None = None
     allow_http: bool = False
+    presign: bool = False
+    presign_ttl: Duration = DEFAULT_PRESIGN_TTL
 
     @field_validator("url")
     @classmethod

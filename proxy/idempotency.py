@@ -272,6 +272,9 @@ class Guard:
         except StoredResponseUnavailable as exc:
             self._unavailable(op, ref, exc)
             raise
+        location = await self.offload.presigned(ref)
+        if location is not None:
+            stored = stored.with_header(b"content-location", location.encode())
         if isinstance(body, bytes):
             return stored.with_body(body).to_response(replayed=True)
         response = StreamingResponse(self._watched(op, ref, body), stored.status)

@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
-from obstore.store import from_url
+from obstore.store import AzureStore, GCSStore, S3Store, from_url
 
 from proxy.config import OffloadConfig
 
@@ -127,7 +127,21 @@ class Offload:
     def __init__(self, config: OffloadConfig) -> None:
         self.url = config.url
         self.threshold = config.threshold_bytes
+        self.presign = config.presign
+        self.presign_ttl = config.presign_ttl
         self._store = from_url(config.url, **_store_options(config))
+
+    async def presigned(self, ref: ObjectRef) -> str | None:
+        """A short-lived GET URL for the object, if enabled and the store can sign."""
+        store = self._store
+        if not self.presign or not isinstance(store, S3Store | GCSStore | AzureStore):
+            return None  # file:// and memory:// cannot sign; the body is sent either way
+        try:
+            return await obstore.sign_async(
+                store, "GET", ref.path, timedelta(seconds=self.presign_ttl)
+            )
+        except (BaseError, OSError, ValueError):
+            return None
 
     def wants(self, size: int) -> bool:
         """True if a body of ``size`` bytes goes to object storage."""

@@ -35,6 +35,10 @@ class StoredResponse:
         """This response with its body replaced by a pointer."""
         return replace(self, body=b"", ref=ref)
 
+    def with_header(self, name: bytes, value: bytes) -> StoredResponse:
+        """This response with one more header."""
+        return replace(self, headers=[*self.headers, (name, value)])
+
     def with_body(self, body: bytes) -> StoredResponse:
         """This response with its body fetched back."""
         return replace(self, body=body, ref=None)

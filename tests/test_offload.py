@@ -287,3 +287,20 @@ def test_a_caller_leaving_mid_stream_does_not_stop_the_recording(
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == expected(size)
     assert tool.count(key) == 1
+
+
+def test_presigned_url_of_an_offloaded_replay(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+) -> None:
+    proxy = make_proxy(
+        route(tool.url), offload={**s3_offload(s3), "presign": True, "presign_ttl": "2m"}
+    )
+    key = new_key(BODY)
+    first = call(f"{proxy.url}/tools/big?size=5000", key)
+    replay = call(f"{proxy.url}/tools/big?size=5000", key)
+    assert "content-location" not in first.headers
+    location = replay.headers["content-location"]
+    assert location.startswith(f"{s3.endpoint}/{BUCKET}/responses/tool/")
+    assert "X-Amz-Expires=120" in location
+    assert replay.content == expected(5000)
+    assert httpx.get(location).content == expected(5000)  # the agent can fetch it itself
