@@ -152,18 +152,22 @@ class Proxy:
             self.log.exception("unexpected_error", path=scope["path"])
             response = internal_error_response()
         seconds = time.perf_counter() - started
-        self.log.info(
-            "request",
-            method=scope["method"],
-            path=scope["path"],
-            route=trace.route,
-            key=trace.key,
-            outcome=trace.outcome.value,
-            status=response.status_code,
-            latency_ms=round(seconds * 1000, 3),
-        )
-        self.metrics.observe(trace.route or "", trace.outcome.value, response.status_code, seconds)
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:  # after the response: the caller does not wait for the bookkeeping
+            self.log.info(
+                "request",
+                method=scope["method"],
+                path=scope["path"],
+                route=trace.route,
+                key=trace.key,
+                outcome=trace.outcome.value,
+                status=response.status_code,
+                latency_ms=round(seconds * 1000, 3),
+            )
+            self.metrics.observe(
+                trace.route or "", trace.outcome.value, response.status_code, seconds
+            )
 
     async def _dispatch(self, request: Request, trace: Trace) -> Response:
         scope = request.scope

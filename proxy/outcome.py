@@ -1,11 +1,12 @@
 """Recorded outcomes: a response (or the problem of an unknown outcome) as stored bytes.
 
-Encoding: one line of JSON metadata, a newline, then the body bytes untouched.
+Encoding: an HTTP-like head (version and status, then the headers), a blank line, then the
+body bytes untouched. Cheaper to write and read than JSON, on every first execution and
+every replay.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 
 from starlette.responses import Response
@@ -18,7 +19,6 @@ from proxy.problems import MEDIA_TYPE, problem_body
 REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 # Never stored, so never replayed: another caller's session must not be set.
 _NOT_STORED = frozenset({b"set-cookie", b"content-length", b"transfer-encoding"})
-_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,32 +55,39 @@ class StoredResponse:
         return cls(exc.status, [(b"content-type", MEDIA_TYPE.encode())], problem_body(exc))
 
     def encode(self) -> bytes:
-        meta: dict[str, object] = {
-            "v": _VERSION,
-            "status": self.status,
-            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in self.headers],
-        }
+        """``v2 <status>``, the headers as ``name: value`` lines, a blank line, the body.
+
+        Header lines cannot hold CR or LF (HTTP forbids them, and the client's parser
+        rejects them), so the blank line always ends the head.
+        """
+        lines = [b"v2 %d" % self.status, *(k + b": " + v for k, v in self.headers)]
         if self.ref is not None:
-            meta["object"] = {
-                "uri": self.ref.uri,
-                "path": self.ref.path,
-                "size": self.ref.size,
-                "sha256": self.ref.sha256,
-            }
-        return json.dumps(meta, separators=(",", ":")).encode() + b"\n" + self.body
+            ref = self.ref
+            lines.append(
+                b":object: %s %d %s %s"
+                % (ref.sha256.encode(), ref.size, ref.path.encode(), ref.uri.encode())
+            )
+        return b"\r\n".join(lines) + b"\r\n\r\n" + self.body
 
     @classmethod
     def decode(cls, payload: bytes) -> StoredResponse:
-        meta_line, _, body = payload.partition(b"\n")
+        head, _, body = payload.partition(b"\r\n\r\n")
+        first, *lines = head.split(b"\r\n")
         try:
-            meta = json.loads(meta_line)
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
-            obj = meta.get("object")
+            version, status = first.split(b" ")
+            if version != b"v2":
+                raise ValueError(f"unknown record version {version!r}")
+            headers: RawHeaders = []
             ref = None
-            if obj is not None:
-                ref = ObjectRef(obj["path"], int(obj["size"]), obj["sha256"], obj.get("uri", ""))
-            return cls(int(meta["status"]), headers, body, ref)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            for line in lines:
+                name, _, value = line.partition(b": ")
+                if name == b":object":
+                    digest, size, path, uri = value.split(b" ", 3)
+                    ref = ObjectRef(path.decode(), int(size), digest.decode(), uri.decode())
+                else:
+                    headers.append((name, value))
+            return cls(int(status), headers, body, ref)
+        except ValueError as exc:
             raise StoreError("a stored outcome is malformed") from exc
 
     def replay_headers(self, length: int) -> RawHeaders:
