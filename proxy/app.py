@@ -181,52 +181,34 @@ class Proxy:
         trace.route = route.name
         principal = "" if route.auth is None else await self._principal(request, route)
         guard = self.guards.get(route.name)
-        if self.tokens is not None and self.tokens.applies(route.name):
-            return await self._with_token(request, route, principal, guard, trace)
-        if guard is None or not guard.guards(request.method):
+        if guard is not None and not guard.guards(request.method):
+            guard = None
+        tokened = self.tokens is not None and self.tokens.applies(route.name)
+        if guard is None and not tokened:
             trace.outcome = Outcome.PASSED
             return await self._pass_through(request, route)
-        body = await read_body(request, self.max_body)
-        op = guard.operation(
-            request.headers.get("idempotency-key"),
-            body,
-            request.headers.get("content-type"),
-            principal,
-        )
-        if op is None:
-            trace.outcome = Outcome.PASSED
-            return await self._relay(request, await self._send(request, route, body))
-        trace.key = op.label
-        response, trace.outcome = await guard.run(op, lambda: self._send(request, route, body))
-        return response
-
-    async def _with_token(
-        self,
-        request: Request,
-        route: RouteConfig,
-        principal: str,
-        guard: Guard | None,
-        trace: Trace,
-    ) -> Response:
-        """A route that forwards a token of its own (read whole, so a 401 can be retried)."""
+        # read whole: to hash it, or to send it again after a 401 with a new token
         body = await read_body(request, self.max_body)
 
         def forward() -> Awaitable[UpstreamResponse]:
-            return self._forward_with_token(request, route, body, principal)
+            if tokened:
+                return self._forward_with_token(request, route, body, principal)
+            return self._send(request, route, body)
 
-        if guard is not None and guard.guards(request.method):
+        op = None
+        if guard is not None:
             op = guard.operation(
                 request.headers.get("idempotency-key"),
                 body,
                 request.headers.get("content-type"),
                 principal,
             )
-            if op is not None:
-                trace.key = op.label
-                response, trace.outcome = await guard.run(op, forward)
-                return response
-        trace.outcome = Outcome.PASSED
-        return await self._relay(request, await forward())
+        if guard is None or op is None:
+            trace.outcome = Outcome.PASSED
+            return await self._relay(request, await forward())
+        trace.key = op.label
+        response, trace.outcome = await guard.run(op, forward)
+        return response
 
     async def _forward_with_token(
         self, request: Request, route: RouteConfig, body: bytes, principal: str
