@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any, cast
 
@@ -13,12 +14,53 @@ from proxy.logs import ENV_LOG_LEVEL
 from proxy.routes import ABSOLUTE_FORM
 
 
-class ProxyHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, marking requests whose target is not origin-form.
+class CoalescingTransport:
+    """A transport whose writes made in one step of the event loop leave together.
 
-    httptools keeps only the path of ``GET http://host/path HTTP/1.1``; the app must know
-    the target was absolute-form to refuse it, so this sets a scope extension.
+    uvicorn writes a response's head and its body separately; on their own they are two
+    system calls and two TCP segments per response. Buffered until the step ends (one
+    ``call_soon``), they are one. Everything but ``write`` and ``close`` is the wrapped
+    transport's own.
     """
+
+    __slots__ = ("_buffer", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._buffer: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._buffer:
+            self._loop.call_soon(self._flush)
+        self._buffer.append(data)
+
+    def _flush(self) -> None:
+        buffer, self._buffer = self._buffer, []
+        if len(buffer) == 1:
+            self._transport.write(buffer[0])
+        elif buffer:
+            self._transport.writelines(buffer)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class ProxyHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with two changes.
+
+    - Requests whose target is not origin-form are marked: httptools keeps only the path
+      of ``GET http://host/path HTTP/1.1``; the app must know the target was absolute-form
+      to refuse it, so this sets a scope extension.
+    - The transport is a :class:`CoalescingTransport`: one write per response.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(cast(asyncio.Transport, CoalescingTransport(transport)))
 
     def on_headers_complete(self) -> None:
         if not self.url.startswith(b"/"):
