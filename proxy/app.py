@@ -126,6 +126,7 @@ class Proxy:
         self.upstream = upstream
         self.tasks = tasks
         self.log = logs.get_logger()
+        self.request_log = logs.get_request_logger()
         self.router = Router(config.routes)
         self.offload = Offload(config.offload) if config.offload else None
         self.guards = {
@@ -155,7 +156,7 @@ class Proxy:
         try:
             await response(scope, receive, send)
         finally:  # after the response: the caller does not wait for the bookkeeping
-            self.log.info(
+            self.request_log.info(
                 "request",
                 method=scope["method"],
                 path=scope["path"],

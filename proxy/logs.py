@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import logging
 import sys
 from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import Processor
 
 ENV_LOG_LEVEL = "TOOL_PROXY_LOG_LEVEL"
 # Log lines are buffered up to this many bytes, and written out at least this often.
@@ -63,6 +65,26 @@ class LineWriter:
 _stream: TextIO = sys.stdout
 
 
+def _fallback(value: Any) -> Any:
+    """How values JSON has no type for are written (as structlog's renderer does)."""
+    structlog_form = getattr(value, "__structlog__", None)
+    return structlog_form() if callable(structlog_form) else repr(value)
+
+
+# One encoder for every line: ``json.dumps`` with options builds a new one per call.
+_ENCODER = json.JSONEncoder(default=_fallback)
+
+
+def _serialize(event: Any, **options: Any) -> str:
+    return _ENCODER.encode(event)
+
+
+# The ``request`` event, one per proxied request, is made of the proxy's own fields
+# (method, path, route, key, outcome, status, latency), never of a header or a body: it
+# skips the redaction and exception processors, which cost about a third of a line.
+_REQUEST_PROCESSORS: list[Processor] = []
+
+
 def flush() -> None:
     """Write out buffered log lines."""
     _stream.flush()
@@ -74,14 +96,12 @@ def configure(level: str = "info") -> None:
     _stream = open(sys.stdout.fileno(), "w", buffering=LOG_BUFFER_BYTES, closefd=False)  # noqa: SIM115
     atexit.register(flush)
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=level.upper())
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    render = structlog.processors.JSONRenderer(_serialize)
+    level_and_stamp: list[Processor] = [structlog.processors.add_log_level, stamp]
+    _REQUEST_PROCESSORS[:] = [*level_and_stamp, render]
     structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            redact,
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
+        processors=[*level_and_stamp, redact, structlog.processors.format_exc_info, render],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         logger_factory=lambda *args: LineWriter(_stream),
         cache_logger_on_first_use=True,
@@ -91,3 +111,10 @@ def configure(level: str = "info") -> None:
 def get_logger() -> Any:
     """The proxy's logger."""
     return structlog.get_logger("tool_proxy")
+
+
+def get_request_logger() -> Any:
+    """The logger of the ``request`` events: the configured one, without redaction."""
+    if not _REQUEST_PROCESSORS:  # not configured (an app embedded in tests)
+        return get_logger()
+    return structlog.wrap_logger(None, processors=_REQUEST_PROCESSORS)
