@@ -1,8 +1,9 @@
 """structlog set-up: JSON lines on stdout, secrets redacted before rendering.
 
 One event per proxied request (``request``) carries route, key, outcome, status and
-latency. Headers are never logged whole; anything that looks like a credential is
-replaced by ``[redacted]`` by :func:`redact`, whatever event it sits in.
+latency, fields of the proxy's own. Headers are never logged whole; in every other event,
+any field named like a credential is replaced by ``[redacted]`` by :func:`redact`, at
+any depth.
 """
 
 from __future__ import annotations
