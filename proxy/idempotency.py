@@ -7,8 +7,13 @@
       ├─IN_PROGRESS──▶ wait up to conflict_wait, then 409 + Retry-After
       └─COMPLETED / FAILED──▶ replay with Idempotent-Replayed: true
 
-The upstream exchange runs in a task of its own: if the caller goes away, the call
-still finishes and its outcome is recorded, so the caller's retry gets a replay.
+If the caller goes away, the call still finishes and its outcome is recorded, so the
+caller's retry gets a replay. The call runs in the request's own task: uvicorn never
+cancels that task when its caller leaves (it tells the app through ``receive()``, which
+the proxy does not wait on then) nor at a graceful shutdown (it waits for requests in
+flight). A task and a shield of its own per call were measured at about 18 µs per first
+execution, a fifth of the proxy's own work on that path. Bodies streamed while they are
+recorded (offload) are recorded by a task of their own (see ``Tee``).
 """
 
 from __future__ import annotations
@@ -240,8 +245,7 @@ class Guard:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
-        task = self.tasks.spawn(self._execute(op, owner, forward))
-        return await asyncio.shield(task)
+        return await self._execute(op, owner, forward)
 
     def _existing(self, op: Operation, record: Record, wait_left: float) -> StoredResponse | None:
         """The outcome to replay, or None to wait more; raises 422 or 409."""

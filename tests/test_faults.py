@@ -105,6 +105,32 @@ def test_a_dead_proxy_holds_the_key_for_lock_ttl_only(tool: CountingTool, tmp_pa
         second.stop()
 
 
+def test_sigterm_after_the_caller_left_still_records_the_call(
+    tool: CountingTool, tmp_path: Path
+) -> None:
+    """The agent timed out, then the proxy is stopped: the call ends and is recorded."""
+    config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
+    first = ProxyProcess(config, tmp_path).start()
+    key = new_key(BODY)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            first.url + "/tools/a?delay=1.5",
+            json=BODY,
+            headers={"Idempotency-Key": key},
+            timeout=0.3,
+        )
+    assert first.stop() in (0, -signal.SIGTERM)  # while the upstream still works
+    assert tool.count(key) == 1
+    second = ProxyProcess(config, tmp_path).start()
+    try:
+        replay = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+    finally:
+        second.stop()
+    assert replay.status_code == 200
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+
+
 def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_path: Path) -> None:
     config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
     first = ProxyProcess(config, tmp_path).start()
