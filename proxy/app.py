@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from proxy import logs
+from proxy.asgi import Incoming, Reply
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
 from proxy.auth.tokens import DownstreamTokens
@@ -26,6 +27,7 @@ from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, TokenMode, load_config
 from proxy.errors import (
     BadRequest,
+    CallerLeft,
     InvalidPath,
     OffloadUnavailable,
     OutcomeUnknown,
@@ -82,9 +84,9 @@ class Trace:
     outcome: Outcome = Outcome.REJECTED
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Incoming, limit: int) -> bytes:
     """The whole request body, or ``RequestTooLarge`` as soon as it passes ``limit``."""
-    declared = request.headers.get("content-length")
+    declared = request.header(b"content-length")
     if declared is not None:
         if not declared.isdigit():
             raise BadRequest("Content-Length is not a number")
@@ -92,19 +94,18 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise RequestTooLarge(f"the body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in request.chunks():
         size += len(chunk)
         if size > limit:
             raise RequestTooLarge(f"the body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _respond(upstream: UpstreamResponse, body: bytes, head: bool) -> Response:
-    response = Response(body, upstream.status)
     length = upstream.length if head and upstream.length is not None else len(body)
-    response.raw_headers = [*upstream.headers, (b"content-length", str(length).encode())]
-    return response
+    headers = [*upstream.headers, (b"content-length", str(length).encode())]
+    return Reply(upstream.status, headers, body)
 
 
 def _downstream_tokens(config: Config, store: Store) -> DownstreamTokens | None:
@@ -144,7 +145,10 @@ class Proxy:
         started = time.perf_counter()
         trace = Trace()
         try:
-            response = await self._dispatch(Request(scope, receive), trace)
+            response = await self._dispatch(Incoming.of(scope, receive), trace)
+        except CallerLeft as exc:
+            self._log(scope, trace, exc.status, time.perf_counter() - started)
+            return
         except ProxyError as exc:
             if trace.key is not None:
                 trace.outcome = _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
@@ -156,21 +160,23 @@ class Proxy:
         try:
             await response(scope, receive, send)
         finally:  # after the response: the caller does not wait for the bookkeeping
-            self.request_log.info(
-                "request",
-                method=scope["method"],
-                path=scope["path"],
-                route=trace.route,
-                key=trace.key,
-                outcome=trace.outcome.value,
-                status=response.status_code,
-                latency_ms=round(seconds * 1000, 3),
-            )
-            self.metrics.observe(
-                trace.route or "", trace.outcome.value, response.status_code, seconds
-            )
+            self._log(scope, trace, response.status_code, seconds)
 
-    async def _dispatch(self, request: Request, trace: Trace) -> Response:
+    def _log(self, scope: Scope, trace: Trace, status: int, seconds: float) -> None:
+        """The request event and its metrics."""
+        self.request_log.info(
+            "request",
+            method=scope["method"],
+            path=scope["path"],
+            route=trace.route,
+            key=trace.key,
+            outcome=trace.outcome.value,
+            status=status,
+            latency_ms=round(seconds * 1000, 3),
+        )
+        self.metrics.observe(trace.route or "", trace.outcome.value, status, seconds)
+
+    async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
         if ABSOLUTE_FORM in scope.get("extensions", {}):
             raise InvalidPath(
@@ -199,9 +205,9 @@ class Proxy:
         op = None
         if guard is not None:
             op = guard.operation(
-                request.headers.get("idempotency-key"),
+                request.header(b"idempotency-key"),
                 body,
-                request.headers.get("content-type"),
+                request.header(b"content-type"),
                 principal,
             )
         if guard is None or op is None:
@@ -212,11 +218,11 @@ class Proxy:
         return response
 
     async def _forward_with_token(
-        self, request: Request, route: RouteConfig, body: bytes, principal: str
+        self, request: Incoming, route: RouteConfig, body: bytes, principal: str
     ) -> UpstreamResponse:
         """Send with the route's downstream token; one retry with a new token on a 401."""
         assert self.tokens is not None
-        subject = bearer_token(request.headers.get("authorization"))
+        subject = bearer_token(request.header(b"authorization"))
         token = await self.tokens.token(route.name, principal, subject)
         upstream = await self._send(request, route, body, authorization=token)
         if upstream.status != 401:
@@ -226,7 +232,7 @@ class Proxy:
         token = await self.tokens.token(route.name, principal, subject)
         return await self._send(request, route, body, authorization=token)
 
-    async def _principal(self, request: Request, route: RouteConfig) -> str:
+    async def _principal(self, request: Incoming, route: RouteConfig) -> str:
         """The caller's principal digest ("" when no token is sent and none is required).
 
         On a route that opted in to refresh tokens, a genuine but expired caller token
@@ -237,7 +243,7 @@ class Proxy:
             return ""
         refreshes = self.tokens is not None and self.tokens.refreshes(route.name)
         caller = await self.auth.caller(
-            request.headers.get("authorization"), route.auth.required, allow_expired=refreshes
+            request.header(b"authorization"), route.auth.required, allow_expired=refreshes
         )
         if caller is None:
             return ""
@@ -249,7 +255,7 @@ class Proxy:
 
     def _send(
         self,
-        request: Request,
+        request: Incoming,
         route: RouteConfig,
         body: bytes | AsyncIterator[bytes],
         length: int | None = None,
@@ -268,18 +274,18 @@ class Proxy:
         )
         return self.upstream.send(request.method, url, headers, body, route.timeout)
 
-    async def _pass_through(self, request: Request, route: RouteConfig) -> Response:
-        declared = request.headers.get("content-length")
+    async def _pass_through(self, request: Incoming, route: RouteConfig) -> Response:
+        declared = request.header(b"content-length")
         if declared is None or not declared.isdigit() or int(declared) <= SMALL_BODY_BYTES:
             body = await read_body(request, self.max_body)
             return await self._relay(request, await self._send(request, route, body))
         length = int(declared)
         if length > self.max_body:
             raise RequestTooLarge(f"the body is {length} bytes; the limit is {self.max_body}")
-        upstream = await self._send(request, route, request.stream(), length)
+        upstream = await self._send(request, route, request.chunks(), length)
         return await self._relay(request, upstream)
 
-    async def _relay(self, request: Request, upstream: UpstreamResponse) -> Response:
+    async def _relay(self, request: Incoming, upstream: UpstreamResponse) -> Response:
         head = request.method == "HEAD"
         if head or (upstream.length is not None and upstream.length <= SMALL_BODY_BYTES):
             return _respond(upstream, await upstream.read(), head)

@@ -18,6 +18,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RequestInProgress                   409
     ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
     ├── RequestTooLarge                     413
+    ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
     │   └── KeyReusedWithOtherBody          422  opaque key sent again with another body
@@ -160,6 +161,16 @@ class RequestTooLarge(ProxyError):
     status = 413
     slug = "request-too-large"
     title = "Request body too large"
+
+
+class CallerLeft(ProxyError):
+    """The caller closed the connection before its request body was read: nothing was
+    forwarded. Nobody receives the answer; 499 (nginx's "client closed request") is what
+    the request log and the metrics record."""
+
+    status = 499
+    slug = "caller-left"
+    title = "The caller closed the connection"
 
 
 class UnprocessableKey(ProxyError):

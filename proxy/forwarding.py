@@ -19,9 +19,8 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from proxy.asgi import RawHeaders
 from proxy.errors import OutcomeUnknown, UpstreamUnreachable
-
-RawHeaders = list[tuple[bytes, bytes]]
 
 # RFC 9110 7.6.1 hop-by-hop fields, plus the framing fields the proxy recomputes.
 HOP_BY_HOP = frozenset(

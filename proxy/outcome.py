@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 from starlette.responses import Response
 
+from proxy.asgi import RawHeaders, Reply
 from proxy.errors import ProxyError, StoreError
-from proxy.forwarding import RawHeaders
 from proxy.offload import ObjectRef
 from proxy.problems import MEDIA_TYPE, problem_body
 
@@ -95,13 +95,8 @@ class StoredResponse:
         return [*self.headers, (b"content-length", str(length).encode()), REPLAYED_HEADER]
 
     def to_response(self, *, replayed: bool) -> Response:
-        """A starlette response; framing (Content-Length) is recomputed."""
-        response = Response(self.body, self.status)
+        """The response to send; framing (Content-Length) is recomputed."""
         if replayed:
-            response.raw_headers = self.replay_headers(len(self.body))
-        else:
-            response.raw_headers = [
-                *self.headers,
-                (b"content-length", str(len(self.body)).encode()),
-            ]
-        return response
+            return Reply(self.status, self.replay_headers(len(self.body)), self.body)
+        length = (b"content-length", str(len(self.body)).encode())
+        return Reply(self.status, [*self.headers, length], self.body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import httpx
 
 from proxy.logs import REDACTED, redact
 from tests.conftest import new_key, route
-from tests.servers import CountingTool, ProxyProcess
+from tests.servers import CountingTool, ProxyProcess, wait_for
 
 SECRET = "eyJhbGciOiJSUzI1NiJ9.super-secret-token"
 
@@ -93,3 +94,30 @@ def test_metrics_count_requests_by_route_and_outcome(tool: CountingTool, tmp_pat
         )
     finally:
         proxy.stop()
+
+
+def test_a_caller_leaving_before_its_body_is_logged_not_forwarded(
+    tool: CountingTool, tmp_path: Path
+) -> None:
+    config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
+    proxy = ProxyProcess(config, tmp_path).start()
+    key = new_key({"n": 1})
+    head = (
+        "POST /tools/x HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"Idempotency-Key: {key}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+            sock.sendall(head.encode() + b'{"n": ')  # then the caller goes away
+        wait_for(
+            lambda: any(e["event"] == "request" for e in proxy.events()),
+            what="the request event",
+        )
+    finally:
+        proxy.stop()
+    events = proxy.events()
+    (request,) = [e for e in events if e["event"] == "request"]
+    assert request["status"] == 499
+    assert request["outcome"] == "rejected"
+    assert not [e for e in events if e["event"] == "unexpected_error"]
+    assert tool.total == 0

@@ -1,0 +1,66 @@
+"""The hot path's side of ASGI: a proxied request as read, a whole response as sent.
+
+Starlette's ``Request`` and ``Response`` do more than a proxy needs on every request
+(a header view per lookup, an async generator per body, content negotiation of
+headers that are then replaced); these do only what the proxy uses. The proxy's own
+endpoints under ``/_proxy/`` keep Starlette's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope
+
+from proxy.errors import CallerLeft
+
+RawHeaders = list[tuple[bytes, bytes]]
+
+# The request headers the proxy itself reads (the first of each, as sent).
+READ_HEADERS = frozenset({b"authorization", b"content-length", b"content-type", b"idempotency-key"})
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A proxied request: its scope, its body channel, and the headers the proxy reads."""
+
+    scope: Scope
+    receive: Receive
+    method: str
+    headers: dict[bytes, str]
+
+    @classmethod
+    def of(cls, scope: Scope, receive: Receive) -> Incoming:
+        headers: dict[bytes, str] = {}
+        for name, value in scope["headers"]:
+            if name in READ_HEADERS and name not in headers:
+                headers[name] = value.decode("latin-1")
+        return cls(scope, receive, scope["method"], headers)
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of ``name`` (lower case), if it is one of ``READ_HEADERS``."""
+        return self.headers.get(name)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; ``CallerLeft`` if the caller goes away first."""
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise CallerLeft("the caller closed the connection before sending its body")
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                return
+
+
+class Reply(Response):
+    """A whole response whose headers are final as given (framing included)."""
+
+    def __init__(self, status: int, headers: RawHeaders, body: bytes) -> None:
+        self.status_code = status
+        self.raw_headers = headers
+        self.body = body
+        self.background = None
