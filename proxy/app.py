@@ -264,11 +264,13 @@ class Proxy:
         """The upstream exchange (not a coroutine itself: one frame less per await)."""
         scope = request.scope
         client = scope.get("client")
-        headers = request_headers(scope["headers"], client[0] if client else None, scope["scheme"])
-        if length is not None:
-            headers["Content-Length"] = str(length)
-        if authorization is not None:
-            headers["Authorization"] = f"Bearer {authorization}"
+        headers = request_headers(
+            scope["headers"],
+            client[0] if client else None,
+            scope["scheme"],
+            length=length,
+            authorization=authorization,
+        )
         url = upstream_url(
             route, scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
         )

@@ -11,12 +11,11 @@ connection could be made) and ``OutcomeUnknown`` otherwise (the request may have
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import aiohttp
-from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.asgi import RawHeaders
@@ -37,6 +36,7 @@ HOP_BY_HOP = frozenset(
 # Dropped from requests as well: aiohttp sets the framing; the proxy sets X-Forwarded-*
 # (Host and X-Forwarded-For are read first, then rewritten).
 _REQUEST_DROP = HOP_BY_HOP | {b"content-length", b"x-forwarded-proto", b"x-forwarded-host"}
+_REQUEST_DROP_WITH_TOKEN = _REQUEST_DROP | {b"authorization"}  # the proxy sends its own
 _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 # Idle upstream connections are closed before common servers close them (uvicorn and
 # Node: 5 s), so a request is rarely written into a connection the server is closing.
@@ -47,51 +47,77 @@ CONNECTIONS_PER_HOST = 256
 CONNECT_TIMEOUT = 10.0
 
 
+def _tokens(value: bytes) -> set[bytes]:
+    return {t.strip().lower() for t in value.split(b",") if t.strip()}
+
+
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """The field names listed in Connection headers (they are hop-by-hop too)."""
     tokens: set[bytes] = set()
     for name, value in headers:
         if name.lower() == b"connection":
-            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+            tokens.update(_tokens(value))
     return frozenset(tokens)
 
 
-def filter_headers(headers: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes]) -> RawHeaders:
-    """Headers without ``drop`` and without the fields that Connection names."""
-    named = connection_tokens(headers)
+def filter_headers(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> RawHeaders:
+    """Headers without ``drop`` and without the fields that Connection names.
+
+    ``drop`` must hold ``connection``. One pass; a second only if Connection names fields.
+    """
+    kept: RawHeaders = []
+    named: set[bytes] = set()
+    for name, value in headers:
+        low = name.lower()
+        if low in drop:
+            if low == b"connection":
+                named.update(_tokens(value))
+            continue
+        kept.append((name, value))
     if named:
-        drop = drop | named
-    return [(k, v) for k, v in headers if k.lower() not in drop]
+        return [(k, v) for k, v in kept if k.lower() not in named]
+    return kept
 
 
 def request_headers(
-    headers: Sequence[tuple[bytes, bytes]], client: str | None, scheme: str
-) -> CIMultiDict[str]:
-    """What is sent upstream: end-to-end headers plus X-Forwarded-For/Proto/Host.
+    headers: Iterable[tuple[bytes, bytes]],
+    client: str | None,
+    scheme: str,
+    *,
+    length: int | None = None,
+    authorization: str | None = None,
+) -> list[tuple[str, str]]:
+    """What is sent upstream: end-to-end headers plus X-Forwarded-For/Proto/Host, and the
+    given Content-Length (a streamed body) and bearer token (in place of the caller's).
 
     ``headers`` are ASGI headers (names already lower-case).
     """
-    out: CIMultiDict[str] = CIMultiDict()
+    out: list[tuple[str, str]] = []
     forwarded_for: list[str] = []
     host = None
-    for name, value in filter_headers(headers, _REQUEST_DROP):
+    drop = _REQUEST_DROP if authorization is None else _REQUEST_DROP_WITH_TOKEN
+    for name, value in filter_headers(headers, drop):
         if name == b"x-forwarded-for":
             forwarded_for.append(value.decode("latin-1"))
         elif name == b"host":
             host = value.decode("latin-1")
         else:
-            out.add(name.decode("latin-1"), value.decode("latin-1"))
+            out.append((name.decode("latin-1"), value.decode("latin-1")))
     if client:
         forwarded_for.append(client)
     if forwarded_for:
-        out["X-Forwarded-For"] = ", ".join(forwarded_for)
-    out["X-Forwarded-Proto"] = scheme
+        out.append(("X-Forwarded-For", ", ".join(forwarded_for)))
+    out.append(("X-Forwarded-Proto", scheme))
     if host:
-        out["X-Forwarded-Host"] = host
+        out.append(("X-Forwarded-Host", host))
+    if length is not None:
+        out.append(("Content-Length", str(length)))
+    if authorization is not None:
+        out.append(("Authorization", f"Bearer {authorization}"))
     return out
 
 
-def response_headers(headers: Sequence[tuple[bytes, bytes]]) -> RawHeaders:
+def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> RawHeaders:
     """Upstream response headers that may be passed to the caller (framing recomputed)."""
     return filter_headers(headers, _RESPONSE_DROP)
 
@@ -181,7 +207,7 @@ class Upstream:
         self,
         method: str,
         url: str,
-        headers: CIMultiDict[str],
+        headers: list[tuple[str, str]],
         body: bytes | AsyncIterator[bytes],
         seconds: float,
     ) -> UpstreamResponse:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from multidict import CIMultiDict
+
 from proxy.forwarding import connection_tokens, request_headers, response_headers
 from proxy.outcome import REPLAYED_HEADER, StoredResponse
 
@@ -18,7 +20,7 @@ def test_connection_named_fields_are_dropped() -> None:
 
 
 def test_request_headers_add_forwarding_fields() -> None:
-    out = request_headers(
+    sent = request_headers(
         [
             (b"host", b"proxy:8080"),
             (b"x-forwarded-for", b"1.1.1.1"),
@@ -32,12 +34,35 @@ def test_request_headers_add_forwarding_fields() -> None:
         "10.0.0.9",
         "https",
     )
+    out = CIMultiDict(sent)
     assert out.getall("accept") == ["a", "b"]
     assert out["X-Forwarded-For"] == "1.1.1.1, 10.0.0.9"
     assert out["X-Forwarded-Proto"] == "https"
     assert out["X-Forwarded-Host"] == "proxy:8080"
     for dropped in ("host", "te", "upgrade", "proxy-connection", "content-length"):
         assert dropped not in out
+
+
+def test_request_headers_replace_the_callers_token_and_framing() -> None:
+    sent = request_headers(
+        [
+            (b"authorization", b"Bearer caller"),
+            (b"connection", b"keep-alive, x-hop"),
+            (b"x-hop", b"1"),
+            (b"content-length", b"3"),
+            (b"x-end", b"2"),
+        ],
+        None,
+        "http",
+        length=10,
+        authorization="fresh",
+    )
+    assert sent == [
+        ("x-end", "2"),
+        ("X-Forwarded-Proto", "http"),
+        ("Content-Length", "10"),
+        ("Authorization", "Bearer fresh"),
+    ]
 
 
 def test_stored_responses_round_trip_without_set_cookie() -> None:
