@@ -127,7 +127,7 @@ class Proxy:
         self.upstream = upstream
         self.tasks = tasks
         self.log = logs.get_logger()
-        self.request_log = logs.get_request_logger()
+        self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
         self.offload = Offload(config.offload) if config.offload else None
         self.guards = {

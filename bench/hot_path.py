@@ -1,0 +1,189 @@
+"""The proxy's own CPU per request, without sockets: a steadier measure than wrk on a
+shared machine, for comparing changes to the hot path.
+
+The app (``create_app``) is called in-process with ASGI messages, on the memory store,
+with the upstream client replaced by a canned 200 answer: what is left is tool-proxy's
+own code (routing, key and body checks, the state machine, the stored outcome, the
+request log and metrics) plus Starlette-free ASGI glue. aiohttp, uvicorn, Redis and the
+kernel are not in these numbers; ``bench/run`` measures them all together.
+
+    .venv/bin/python bench/hot_path.py [--requests N] [--rounds R]
+
+Prints, for pass-through, first executions (a new key per request) and replays (one
+key), the best of R rounds of N requests, in µs of CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import structlog
+
+from proxy import forwarding, logs
+from proxy.app import App, create_app
+from proxy.asgi import RawHeaders
+from proxy.config import parse_config
+from proxy.keys import composite_key
+
+BODY = b'{"tool":"bench","n":1}'
+ANSWER = b'{"ok":true}'
+UPSTREAM_HEADERS = [
+    (b"Server", b"nginx/1.22.1"),
+    (b"Date", b"Sun, 29 Nov 2026 12:00:00 GMT"),
+    (b"Content-Type", b"application/json"),
+    (b"Content-Length", b"11"),
+    (b"Connection", b"keep-alive"),
+]
+SCENARIOS = ("passthrough", "first-exec", "replay")
+
+
+class CannedUpstream(forwarding.Upstream):
+    """Answers every request at once with 200 and ``ANSWER``."""
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def send(
+        self,
+        method: str,
+        url: str,
+        headers: list[tuple[str, str]],
+        body: Any,
+        seconds: float,
+    ) -> forwarding.UpstreamResponse:
+        return CannedResponse(200, forwarding.response_headers(UPSTREAM_HEADERS), len(ANSWER))
+
+
+class CannedResponse(forwarding.UpstreamResponse):
+    def __init__(self, status: int, headers: RawHeaders, length: int) -> None:
+        super().__init__(status, headers, length, None)  # type: ignore[arg-type]
+
+    async def read(self) -> bytes:
+        return ANSWER
+
+
+def make_app() -> App:
+    routes = [
+        {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
+        {"name": "tool", "path_prefix": "/tool", "strip_prefix": True, "idempotency": {}},
+    ]
+    upstream = "http://127.0.0.1:9"
+    config = parse_config(
+        {"store": {"url": "memory://"}, "routes": [{**r, "upstream": upstream} for r in routes]},
+        env={},
+    )
+    app = create_app(config)
+    app.proxy.upstream = CannedUpstream()
+    return app
+
+
+def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
+    """``n`` ASGI scopes as uvicorn makes them for wrk's requests in ``bench/run``."""
+    args_hash = composite_key("bench", 1, BODY).rsplit(":", 1)[1]
+    plans = (f"hot{i}" for i in itertools.count())
+    path = "/pass" if scenario == "passthrough" else "/tool"
+    out = []
+    for _ in range(n):
+        headers = [
+            (b"host", b"127.0.0.1:8080"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(BODY)).encode()),
+        ]
+        if scenario == "first-exec":
+            headers.append((b"idempotency-key", f"{next(plans)}:1:{args_hash}".encode()))
+        elif scenario == "replay":
+            headers.append((b"idempotency-key", f"fixed:1:{args_hash}".encode()))
+        out.append(
+            {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "POST",
+                "scheme": "http",
+                "path": path,
+                "raw_path": path.encode(),
+                "query_string": b"",
+                "headers": headers,
+                "client": ("127.0.0.1", 50000),
+                "server": ("127.0.0.1", 8080),
+                "root_path": "",
+            }
+        )
+    return out
+
+
+async def receive() -> dict[str, Any]:
+    return {"type": "http.request", "body": BODY, "more_body": False}
+
+
+Message = MutableMapping[str, Any]
+
+
+def sender() -> tuple[Callable[[Message], Awaitable[None]], list[int]]:
+    statuses: list[int] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    return send, statuses
+
+
+async def measure(app: App, scenario: str, n: int) -> float:
+    """µs of CPU per request over ``n`` requests (after a warm-up of its own)."""
+    send, statuses = sender()
+    for scope in scopes(scenario, 2000):
+        await app(scope, receive, send)
+    batch = scopes(scenario, n)
+    statuses.clear()
+    started = time.process_time()
+    for scope in batch:
+        await app(scope, receive, send)
+    spent = time.process_time() - started
+    if statuses != [200] * n:
+        raise RuntimeError(f"{scenario}: unexpected statuses {sorted(set(statuses))}")
+    return spent / n * 1e6
+
+
+async def main(requests: int, rounds: int) -> dict[str, float]:
+    app = make_app()
+    await app.proxy.store.open()
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for scenario in SCENARIOS:
+            value = await measure(app, scenario, requests)
+            best[scenario] = min(best.get(scenario, value), value)
+    await app.proxy.store.close()
+    return best
+
+
+def quiet_logs() -> None:
+    """Log lines are rendered as in production, then dropped."""
+    logs.configure("info")
+    devnull = open(os.devnull, "w", buffering=logs.LOG_BUFFER_BYTES)  # noqa: SIM115
+    structlog.configure(logger_factory=lambda *args: logs.LineWriter(devnull))
+
+
+def run(requests: int = 20000, rounds: int = 3) -> dict[str, float]:
+    """The best µs of CPU per request of each scenario (uvloop, as in ``serve``)."""
+    import uvloop
+
+    quiet_logs()
+    return uvloop.run(main(requests, rounds))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    for scenario, value in run(args.requests, args.rounds).items():
+        print(f"{scenario:12} {value:6.1f} µs of CPU per request")
