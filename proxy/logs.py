@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import MutableMapping
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import structlog
@@ -86,6 +87,14 @@ def _serialize(event: Any, **options: Any) -> str:
 _REQUEST_PROCESSORS: list[Processor] = []
 
 
+def render_request(logger: Any, method_name: str, event: MutableMapping[str, Any]) -> str:
+    """The ``request`` line in one processor: level, UTC ISO timestamp, JSON (what the
+    three processors of the other events give, at a third of the cost)."""
+    event["level"] = method_name
+    event["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    return _ENCODER.encode(event)
+
+
 def flush() -> None:
     """Write out buffered log lines."""
     _stream.flush()
@@ -100,7 +109,7 @@ def configure(level: str = "info") -> None:
     stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
     render = structlog.processors.JSONRenderer(_serialize)
     level_and_stamp: list[Processor] = [structlog.processors.add_log_level, stamp]
-    _REQUEST_PROCESSORS[:] = [*level_and_stamp, render]
+    _REQUEST_PROCESSORS[:] = [render_request]
     structlog.configure(
         processors=[*level_and_stamp, redact, structlog.processors.format_exc_info, render],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
