@@ -136,45 +136,71 @@ class Tee:
 
 
 class Lease:
-    """Renews a claim every lock_ttl/3 until stopped.
+    """One claim held by a call in this process; ``stop`` ends its renewals."""
 
-    A timer rather than a task: most calls end before the first renewal, and then the
-    lease costs no task at all.
-    """
+    __slots__ = ("_leases", "op", "owner", "stopped")
 
-    def __init__(self, guard: Guard, op: Operation, owner: str) -> None:
-        self._guard = guard
-        self._op = op
-        self._owner = owner
-        self._loop = asyncio.get_running_loop()
-        self._interval = guard.policy.lock_ttl / 3
-        self._timer: asyncio.TimerHandle | None = self._loop.call_later(self._interval, self._fire)
-        self._renewing: asyncio.Task[None] | None = None
-
-    def _fire(self) -> None:
-        self._renewing = self._loop.create_task(self._renew())
-
-    async def _renew(self) -> None:
-        guard, op = self._guard, self._op
-        try:
-            held = await guard.store.renew(op.key, self._owner, guard.policy.lock_ttl)
-        except StoreUnavailable as exc:
-            guard.log.warning(
-                "lease_renewal_failed", route=guard.route.name, key=op.label, error=exc.detail
-            )
-            held = True  # keep trying: the store may be back before the lease ends
-        if not held:
-            guard.log.warning("lease_lost", route=guard.route.name, key=op.label)
-        elif self._timer is not None:
-            self._timer = self._loop.call_later(self._interval, self._fire)
+    def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
+        self._leases = leases
+        self.op = op
+        self.owner = owner
+        self.stopped = False
 
     def stop(self) -> None:
         """No more renewals."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._renewing is not None:
-            self._renewing.cancel()
+        self.stopped = True
+        self._leases.drop(self)
+
+
+class Leases:
+    """The claims one route holds in this process, renewed together every lock_ttl/3.
+
+    One timer per route rather than one per call: most calls end before any renewal,
+    and then a lease costs a set insertion and removal (a timer per call cost about
+    3 µs). A claim made just after a tick waits one interval for its first renewal, one
+    made just before is renewed early: either way, well before its lock_ttl ends. The
+    renewals of one tick ride one Redis round trip (see ``RedisStore``).
+    """
+
+    def __init__(self, guard: Guard) -> None:
+        self._guard = guard
+        self._interval = guard.policy.lock_ttl / 3
+        self._held: set[Lease] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def hold(self, op: Operation, owner: str) -> Lease:
+        lease = Lease(self, op, owner)
+        self._held.add(lease)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._interval, self._tick)
+        return lease
+
+    def drop(self, lease: Lease) -> None:
+        self._held.discard(lease)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if not self._held:
+            return
+        loop = asyncio.get_running_loop()
+        self._guard.tasks.spawn(self._renew_all(list(self._held)))
+        self._timer = loop.call_later(self._interval, self._tick)
+
+    async def _renew_all(self, leases: list[Lease]) -> None:
+        await asyncio.gather(*(self._renew(lease) for lease in leases))
+
+    async def _renew(self, lease: Lease) -> None:
+        guard, op = self._guard, lease.op
+        try:
+            held = await guard.store.renew(op.key, lease.owner, guard.policy.lock_ttl)
+        except StoreUnavailable as exc:  # keep trying: the store may be back in time
+            guard.log.warning(
+                "lease_renewal_failed", route=guard.route.name, key=op.label, error=exc.detail
+            )
+            return
+        if not held and not lease.stopped:  # stopped: recorded or released meanwhile
+            self.drop(lease)
+            guard.log.warning("lease_lost", route=guard.route.name, key=op.label)
 
 
 class Guard:
@@ -204,6 +230,7 @@ class Guard:
         # a tenth of the cost of a random token per call.
         self._owner_prefix = secrets.token_urlsafe(12) + "."
         self._owners = itertools.count()
+        self._leases = Leases(self)
 
     def guards(self, method: str) -> bool:
         return method in self._methods
@@ -351,7 +378,7 @@ class Guard:
     async def _execute(
         self, op: Operation, owner: str, forward: Forward
     ) -> tuple[Response, Outcome]:
-        lease = Lease(self, op, owner)
+        lease = self._leases.hold(op, owner)
         try:
             upstream = await forward()
             if self._tees(upstream):

@@ -1,0 +1,79 @@
+"""Lease renewal: one timer per route renews every claim the process holds."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from proxy.background import TaskSet
+from proxy.config import parse_config
+from proxy.idempotency import Guard, Operation
+from proxy.store import RecordKey, State
+from proxy.store.memory import MemoryStore
+
+pytestmark = pytest.mark.anyio
+
+LOCK_TTL = 0.3  # renewed every 0.1 s
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.events.append(event)
+
+
+def make_guard(store: MemoryStore, log: Log) -> Guard:
+    route = {
+        "name": "tool",
+        "path_prefix": "/t",
+        "upstream": "http://127.0.0.1:9",
+        "idempotency": {"lock_ttl": LOCK_TTL},
+    }
+    config = parse_config({"store": {"url": "memory://"}, "routes": [route]}, env={})
+    (route_config,) = config.routes
+    assert route_config.idempotency is not None
+    return Guard(route_config, route_config.idempotency, store, TaskSet(), log)
+
+
+async def claim(store: MemoryStore, n: int) -> Operation:
+    op = Operation(RecordKey(f"tool||plan|{n}", "f" * 64), f"plan:{n}", "f" * 64)
+    claimed = await store.claim(op.key, op.fingerprint, f"owner{n}", LOCK_TTL, 60)
+    assert claimed.record is None
+    return op
+
+
+async def test_held_claims_outlive_their_lock_ttl_and_stopped_ones_expire() -> None:
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+    ops = [await claim(store, n) for n in range(3)]
+    leases = [guard._leases.hold(op, f"owner{n}") for n, op in enumerate(ops)]
+    leases[2].stop()
+    await asyncio.sleep(LOCK_TTL * 2.5)  # several lock_ttl: only renewals keep them
+    for op in ops[:2]:
+        record = await store.get(op.key)
+        assert record is not None and record.state is State.IN_PROGRESS
+    assert await store.get(ops[2].key) is None  # not renewed: expired
+    for lease in leases[:2]:
+        lease.stop()
+    assert log.events == []
+
+
+async def test_a_lease_taken_over_is_reported_and_no_longer_renewed() -> None:
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+    op = await claim(store, 1)
+    lease = guard._leases.hold(op, "someone-else")  # the store knows another owner
+    await asyncio.sleep(LOCK_TTL / 3 * 1.5)  # one tick
+    assert log.events == ["lease_lost"]
+    await asyncio.sleep(LOCK_TTL / 3 * 2)  # more ticks: reported once
+    assert log.events == ["lease_lost"]
+    lease.stop()
