@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -184,6 +185,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
-    for scenario, value in run(args.requests, args.rounds).items():
-        print(f"{scenario:12} {value:6.1f} µs of CPU per request")
+    best = run(args.requests, args.rounds)
+    if args.json:
+        print(json.dumps(best))
+    else:
+        for scenario, value in best.items():
+            print(f"{scenario:12} {value:6.1f} µs of CPU per request")

@@ -102,6 +102,8 @@ class Runs:
     clients: list[Result] = field(default_factory=list)
     offload: list[Result] = field(default_factory=list)
     memory: Memory | None = None
+    own_us: dict[str, float] = field(default_factory=dict)
+    """The proxy's own CPU per request by scenario (bench/hot_path.py), in µs."""
 
 
 @dataclass(frozen=True)
@@ -428,6 +430,16 @@ def proc_status_mb(pid: int, name: str) -> float:
     raise RuntimeError(f"no {name} in /proc/{pid}/status")
 
 
+def measure_own_work(args: argparse.Namespace) -> dict[str, float]:
+    """bench/hot_path.py in a process of its own: µs of CPU per request of tool-proxy's
+    own code (no sockets), the best of as many rounds as the rest of the run."""
+    requests = 5000 if args.quick else 20000
+    argv = [sys.executable, str(ROOT / "bench" / "hot_path.py"), "--json"]
+    argv += ["--requests", str(requests), "--rounds", str(max(args.rounds, 3))]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
+    return {k: float(v) for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
 def measure_core(
     args: argparse.Namespace, ports: dict[str, int], store: redis.Redis, args_hash: str
 ) -> list[Result]:
@@ -541,7 +553,7 @@ def run(args: argparse.Namespace, workdir: Path) -> Runs:
             offload = measure_offload(args, workdir, ports, store, args_hash)
             memory = measure_memory(args, workdir, ports, store, args_hash)
         clients = compare_clients(stack, workdir, ports["upstream"], hop, args)
-    return Runs(results, clients, offload, memory)
+    return Runs(results, clients, offload, memory, measure_own_work(args))
 
 
 def git_commit() -> str:
