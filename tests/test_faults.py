@@ -112,14 +112,18 @@ def test_sigterm_after_the_caller_left_still_records_the_call(
     config = {"store": {"url": f"sqlite://{tmp_path}/state.db"}, "routes": [route(tool.url)]}
     first = ProxyProcess(config, tmp_path).start()
     key = new_key(BODY)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            first.url + "/tools/a?delay=1.5",
-            json=BODY,
-            headers={"Idempotency-Key": key},
-            timeout=0.3,
-        )
-    assert first.stop() in (0, -signal.SIGTERM)  # while the upstream still works
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                first.url + "/tools/a?delay=1.5",
+                json=BODY,
+                headers={"Idempotency-Key": key},
+                timeout=0.3,
+            )
+        assert first.stop() in (0, -signal.SIGTERM)  # while the upstream still works
+    finally:
+        if first.process is not None:  # a failed check must not leave it running
+            first.stop()
     assert tool.count(key) == 1
     second = ProxyProcess(config, tmp_path).start()
     try:
