@@ -48,16 +48,8 @@ CONNECT_TIMEOUT = 10.0
 
 
 def _tokens(value: bytes) -> set[bytes]:
+    """The field names a Connection header lists (hop-by-hop too)."""
     return {t.strip().lower() for t in value.split(b",") if t.strip()}
-
-
-def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """The field names listed in Connection headers (they are hop-by-hop too)."""
-    tokens: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            tokens.update(_tokens(value))
-    return frozenset(tokens)
 
 
 def filter_headers(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> RawHeaders:
