@@ -451,6 +451,15 @@ callers (2026-11-29), a first execution spends about 30% in aiohttp (the upstrea
 request), 25% in the event loop (uvloop, tasks, futures), 20% in tool-proxy's own code,
 11% in uvicorn and 9% in the Redis client; the system calls are charged to their callers.
 
+At one caller the picture differs. A first execution makes three round trips more than
+the direct call (Redis twice, the tool once), and a loopback round trip between two
+processes took about 80 µs here that day (`redis-benchmark -c 1 -t ping`: p50 0.079 ms),
+so about 0.24 ms of the added p50 is waiting. The rest is CPU, and an idle proxy spends
+much more of it per request than a busy one: about 600 µs per first execution at one
+caller against about 250 µs at 32 (the process's CPU time over wrk's request count),
+with the same code; between requests the other processes run on its core and its caches
+go cold, and each request wakes it from sleep several times.
+
 What was measured on this machine, 2026-11-29, and done:
 
 - **Redis**: the coalescer's round trips go over a connection of its own, packed by
