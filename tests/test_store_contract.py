@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from proxy.errors import StoreUnavailable
 from proxy.store import RecordKey, State, Store, make_store
@@ -194,6 +195,27 @@ async def test_redis_reconnects_after_a_restart() -> None:
     finally:
         await store.close()
         server.stop()
+
+
+async def test_redis_resends_a_batch_when_its_connection_is_cut(
+    redis_server: RedisServer,
+) -> None:
+    """Commands on a connection Redis closes are sent again on a new one, and each
+    caller gets its own reply (the scripts are idempotent for the same owner)."""
+    redis_server.flush()
+    store = make_store(redis_server.url)
+    try:
+        keys = [RecordKey("cut", f"n{i}") for i in range(20)]
+        assert all([(await store.claim(k, "fp", "a", LOCK, RESULT)).claimed for k in keys])
+        admin = redis.Redis.from_url(redis_server.url)
+        admin.client_kill_filter(_type="normal", skipme=True)  # the store's connection too
+        admin.close()
+        claims = await asyncio.gather(*(store.claim(k, "fp", "a", LOCK, RESULT) for k in keys))
+        assert all(c.claimed for c in claims)  # the same owner: still its claims
+        others = await asyncio.gather(*(store.claim(k, "fp", "b", LOCK, RESULT) for k in keys))
+        assert not any(c.claimed for c in others)
+    finally:
+        await store.close()
 
 
 async def test_sqlite_survives_a_restart(tmp_path: Path) -> None:
