@@ -218,6 +218,24 @@ async def test_redis_resends_a_batch_when_its_connection_is_cut(
         await store.close()
 
 
+async def test_redis_reloads_its_scripts_for_a_whole_batch(redis_server: RedisServer) -> None:
+    """After SCRIPT FLUSH (a restarted Redis) every command of a batch fails alone with
+    NOSCRIPT; each is loaded and sent again, and every caller gets its own answer."""
+    redis_server.flush()
+    store = make_store(redis_server.url)
+    try:
+        assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed  # scripts loaded
+        admin = redis.Redis.from_url(redis_server.url)
+        admin.script_flush()
+        admin.close()
+        keys = [RecordKey("flushed", f"n{i}") for i in range(20)]
+        claims = await asyncio.gather(*(store.claim(k, "fp", "a", LOCK, RESULT) for k in keys))
+        assert all(c.claimed for c in claims)
+        assert not (await store.claim(keys[0], "fp", "b", LOCK, RESULT)).claimed
+    finally:
+        await store.close()
+
+
 async def test_sqlite_survives_a_restart(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/state.db"
     first = make_store(url)
