@@ -169,8 +169,20 @@ async def test_records_are_independent(store: Store) -> None:
     assert (await store.claim(RecordKey("s1", "m"), "fp", "a", LOCK, RESULT)).claimed
 
 
-async def test_ping(store: Store) -> None:
-    await store.ping()
+async def test_ping_answers_on_a_reachable_store(store: Store) -> None:
+    await store.ping()  # raises StoreUnavailable when the store cannot be reached (below)
+    assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+
+
+async def test_unusable_sqlite_path_raises_store_unavailable(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    store = make_store(f"sqlite:///{blocker}/state.db")
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    with pytest.raises(StoreUnavailable):
+        await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    await store.close()
 
 
 async def test_unreachable_redis_raises_store_unavailable() -> None:
