@@ -59,6 +59,8 @@ class CannedUpstream(forwarding.Upstream):
         headers: list[tuple[str, str]],
         body: Any,
         seconds: float,
+        *,
+        at_most_once: bool = False,
     ) -> forwarding.UpstreamResponse:
         return CannedResponse(200, forwarding.response_headers(UPSTREAM_HEADERS), len(ANSWER))
 

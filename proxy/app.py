@@ -196,12 +196,6 @@ class Proxy:
             return await self._pass_through(request, route)
         # read whole: to hash it, or to send it again after a 401 with a new token
         body = await read_body(request, self.max_body)
-
-        def forward() -> Awaitable[UpstreamResponse]:
-            if tokened:
-                return self._forward_with_token(request, route, body, principal)
-            return self._send(request, route, body)
-
         op = None
         if guard is not None:
             op = guard.operation(
@@ -210,6 +204,13 @@ class Proxy:
                 request.header(b"content-type"),
                 principal,
             )
+        once = op is not None  # a guarded call is never sent twice
+
+        def forward() -> Awaitable[UpstreamResponse]:
+            if tokened:
+                return self._forward_with_token(request, route, body, principal, once)
+            return self._send(request, route, body, at_most_once=once)
+
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
             return await self._relay(request, await forward())
@@ -218,19 +219,20 @@ class Proxy:
         return response
 
     async def _forward_with_token(
-        self, request: Incoming, route: RouteConfig, body: bytes, principal: str
+        self, request: Incoming, route: RouteConfig, body: bytes, principal: str, once: bool
     ) -> UpstreamResponse:
-        """Send with the route's downstream token; one retry with a new token on a 401."""
+        """Send with the route's downstream token; one retry with a new token on a 401
+        (the tool refused the request, so it did not execute it)."""
         assert self.tokens is not None
         subject = bearer_token(request.header(b"authorization"))
         token = await self.tokens.token(route.name, principal, subject)
-        upstream = await self._send(request, route, body, authorization=token)
+        upstream = await self._send(request, route, body, authorization=token, at_most_once=once)
         if upstream.status != 401:
             return upstream
         await upstream.read()  # the tool refused the token: drop it, get another, once
         self.tokens.drop(route.name, principal)
         token = await self.tokens.token(route.name, principal, subject)
-        return await self._send(request, route, body, authorization=token)
+        return await self._send(request, route, body, authorization=token, at_most_once=once)
 
     async def _principal(self, request: Incoming, route: RouteConfig) -> str:
         """The caller's principal digest ("" when no token is sent and none is required).
@@ -260,6 +262,8 @@ class Proxy:
         body: bytes | AsyncIterator[bytes],
         length: int | None = None,
         authorization: str | None = None,
+        *,
+        at_most_once: bool = False,
     ) -> Awaitable[UpstreamResponse]:
         """The upstream exchange (not a coroutine itself: one frame less per await)."""
         scope = request.scope
@@ -274,7 +278,9 @@ class Proxy:
         url = upstream_url(
             route, scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
         )
-        return self.upstream.send(request.method, url, headers, body, route.timeout)
+        return self.upstream.send(
+            request.method, url, headers, body, route.timeout, at_most_once=at_most_once
+        )
 
     async def _pass_through(self, request: Incoming, route: RouteConfig) -> Response:
         declared = request.header(b"content-length")

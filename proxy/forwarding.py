@@ -175,25 +175,34 @@ def _timeout(seconds: float) -> aiohttp.ClientTimeout:
 
 
 class Upstream:
-    """One pooled client for the process."""
+    """One connection pool for the process, and two sessions over it.
+
+    aiohttp sends a request with a method that HTTP calls idempotent (GET, HEAD, OPTIONS,
+    TRACE, PUT, DELETE) a second time when the connection breaks before the answer
+    (RFC 9112 9.3.1), as nginx does. That is right for a plain proxy and wrong for a
+    guarded call: the tool may have executed the first one before the connection broke.
+    Guarded calls (``at_most_once``) go through a session that never resends; aiohttp has
+    no public switch for it, so this sets the attribute its own test client sets, and a
+    test fails if it stops working.
+    """
 
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._once: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
             limit=0, limit_per_host=CONNECTIONS_PER_HOST, keepalive_timeout=KEEPALIVE_TIMEOUT
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self._session = _session(connector, owner=True)
+        self._once = _session(connector, owner=False)
+        self._once._retry_connection = False
 
     async def close(self) -> None:
+        if self._once is not None:
+            await self._once.close()
         if self._session is not None:
-            await self._session.close()
+            await self._session.close()  # and the connector
 
     async def send(
         self,
@@ -202,12 +211,18 @@ class Upstream:
         headers: list[tuple[str, str]],
         body: bytes | AsyncIterator[bytes],
         seconds: float,
+        *,
+        at_most_once: bool = False,
     ) -> UpstreamResponse:
-        """Send a request and wait for the headers; the exchange must end within ``seconds``."""
-        assert self._session is not None, "Upstream.start() was not awaited"
+        """Send a request and wait for the headers; the exchange must end within ``seconds``.
+
+        ``at_most_once``: never send it a second time, whatever happens to the connection.
+        """
+        session = self._once if at_most_once else self._session
+        assert session is not None, "Upstream.start() was not awaited"
         client_timeout = _timeout(seconds)
         with _translated():
-            response = await self._session.request(
+            response = await session.request(
                 method,
                 URL(url, encoded=True),
                 headers=headers,
@@ -221,3 +236,13 @@ class Upstream:
             response.content_length,
             response,
         )
+
+
+def _session(connector: aiohttp.TCPConnector, *, owner: bool) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=connector,
+        connector_owner=owner,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )

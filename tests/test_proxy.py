@@ -156,19 +156,42 @@ def test_timeout_records_failure_and_never_reexecutes(
     assert tool.count(key) == 1
 
 
-def test_broken_connection_records_failure(make_proxy: ProxyFactory) -> None:
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+def test_broken_connection_records_failure(make_proxy: ProxyFactory, method: str) -> None:
+    """The tool read the request and closed the connection: it may have executed it.
+
+    aiohttp resends PUT and DELETE (idempotent in HTTP) once on a broken connection; a
+    guarded call must never be resent, so the tool sees it exactly once.
+    """
     breaking = BreakingTool()
     try:
-        proxy = make_proxy(route(breaking.url))
+        proxy = make_proxy(route(breaking.url, methods=[method]))
         key = new_key(BODY)
-        first = post(f"{proxy.url}/tools/x", key=key)
-        retry = post(f"{proxy.url}/tools/x", key=key)
+        url = f"{proxy.url}/tools/x"
+        headers = {"Idempotency-Key": key}
+        first = httpx.request(method, url, json=BODY, headers=headers, timeout=30)
+        retry = httpx.request(method, url, json=BODY, headers=headers, timeout=30)
     finally:
         breaking.close()
     assert first.status_code == retry.status_code == 502
     assert problem_type(first) == "outcome-unknown"
     assert retry.headers["idempotent-replayed"] == "true"
     assert breaking.received == 1
+
+
+def test_pass_through_put_is_resent_once_on_a_broken_connection(
+    make_proxy: ProxyFactory,
+) -> None:
+    """Unguarded, the proxy behaves like nginx: an idempotent method is tried twice."""
+    breaking = BreakingTool()
+    try:
+        proxy = make_proxy(route(breaking.url, guarded=False))
+        response = httpx.put(f"{proxy.url}/tools/x", json=BODY, timeout=30)
+        wait_for(lambda: breaking.received == 2, what="the second attempt")
+    finally:
+        breaking.close()
+    assert response.status_code == 502
+    assert problem_type(response) == "outcome-unknown"
 
 
 def test_caller_disconnect_does_not_cancel_the_call(
