@@ -119,6 +119,31 @@ def test_upstream_401_gets_a_new_token_once(
     assert tool.count(key) == 1
 
 
+def test_upstream_401_gets_a_new_token_with_the_shared_cache_too(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refused token is still in the store the replicas share: it is not taken again."""
+    import base64
+    import os
+
+    key_env = "TOOL_PROXY_TEST_TOKEN_KEY"
+    monkeypatch.setenv(key_env, base64.b64encode(os.urandom(32)).decode())
+    auth = {**auth_section(idp), "token_cache_key_env": key_env}
+    proxy = make_proxy(token_route(tool, idp, "client_credentials"), auth=auth)
+    assert call(f"{proxy.url}/tools/db").status_code == 200
+    tool.reject_tokens.add("dt-1-machine")
+    key = new_key(BODY, step=2)
+    response = call(f"{proxy.url}/tools/db", key=key)
+    assert response.status_code == 200
+    assert forwarded_token(tool) == "dt-2-machine"
+    assert tool.count(key) == 1
+    assert call(f"{proxy.url}/tools/db").status_code == 200  # and it stays the new one
+    assert forwarded_token(tool) == "dt-2-machine"
+
+
 def test_idp_refusal_is_401_reauth_and_releases_the_key(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> None:

@@ -95,6 +95,11 @@ def load_secrets(routes: list[RouteConfig]) -> dict[str, tuple[TokenConfig, Secr
     return policies
 
 
+def _shared_name(key: tuple[str, str]) -> str:
+    """The name under which the replicas share the token of (route, principal)."""
+    return "token|" + "|".join(key)
+
+
 class DownstreamTokens:
     """Gets, caches and renews the tokens of every route that has a token policy."""
 
@@ -112,6 +117,9 @@ class DownstreamTokens:
         self._http = httpx.AsyncClient(follow_redirects=False, timeout=TOKEN_TIMEOUT_SECONDS)
         self._cache: dict[tuple[str, str], _Cached] = {}
         self._pending: dict[tuple[str, str], asyncio.Task[_Cached]] = {}
+        # The last token an upstream refused, per shared name: a copy the replicas still
+        # share is not taken again (one entry per route and principal, like the cache).
+        self._refused: dict[str, str] = {}
 
     def applies(self, route: str) -> bool:
         """True if ``route`` forwards a token of its own."""
@@ -154,7 +162,9 @@ class DownstreamTokens:
         """Forget a token the upstream refused (a 401 although it looked fresh)."""
         policy, _ = self._policies[route]
         key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
-        self._cache.pop(key, None)
+        refused = self._cache.pop(key, None)
+        if refused is not None and self._shared is not None:
+            self._refused[_shared_name(key)] = refused.token
 
     def refreshes(self, route: str) -> bool:
         """True if ``route`` opted in to refresh tokens (callers may outlive their token)."""
@@ -166,7 +176,7 @@ class DownstreamTokens:
         key = (route, principal)
         cached = self._cache.get(key)
         if cached is None and self._shared is not None:
-            cached = await self._read_shared("token|" + "|".join(key), fresh_only=False)
+            cached = await self._read_shared(_shared_name(key), fresh_only=False)
         if cached is None:
             return False
         if cached.refresh_token is not None and self._clock() < cached.refresh_expires_at:
@@ -180,7 +190,7 @@ class DownstreamTokens:
         """A fresh token: from the other replicas through the store, or fetched (by one)."""
         if self._shared is None:
             return await self._fetch(route, subject, renewal)
-        name = "token|" + "|".join(key)
+        name = _shared_name(key)
         shared = await self._read_shared(name)
         if shared is not None:
             return shared
@@ -203,7 +213,8 @@ class DownstreamTokens:
                 await self._shared.unlock(name, me)
 
     async def _read_shared(self, name: str, fresh_only: bool = True) -> _Cached | None:
-        """A token another replica published (if ``fresh_only``: one not due for renewal)."""
+        """A token another replica published (if ``fresh_only``: one not due for renewal
+        and not refused by an upstream here)."""
         assert self._shared is not None and self._sealer is not None
         try:
             sealed = await self._shared.get_value(name)
@@ -213,7 +224,10 @@ class DownstreamTokens:
         if document is None:
             return None
         cached = _Cached(**document)
-        return cached if not fresh_only or self._clock() < cached.refresh_at else None
+        if not fresh_only:
+            return cached
+        fresh = self._clock() < cached.refresh_at and cached.token != self._refused.get(name)
+        return cached if fresh else None
 
     async def _wait_shared(self, name: str) -> _Cached | None:
         """Wait for the replica that holds the lock to publish its token."""
