@@ -34,8 +34,16 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Dropped from requests as well: aiohttp sets the framing; the proxy sets X-Forwarded-*
-# (Host and X-Forwarded-For are read first, then rewritten).
-_REQUEST_DROP = HOP_BY_HOP | {b"content-length", b"x-forwarded-proto", b"x-forwarded-host"}
+# (Host and X-Forwarded-For are read first, then rewritten); Expect: 100-continue was
+# the caller's business with the proxy (uvicorn answers it), and passed on it would make
+# aiohttp hold the body back until the tool sends a 100 (a tool that never does would
+# time out without having seen the body).
+_REQUEST_DROP = HOP_BY_HOP | {
+    b"content-length",
+    b"expect",
+    b"x-forwarded-proto",
+    b"x-forwarded-host",
+}
 _REQUEST_DROP_WITH_TOKEN = _REQUEST_DROP | {b"authorization"}  # the proxy sends its own
 _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 # Idle upstream connections are closed before common servers close them (uvicorn and

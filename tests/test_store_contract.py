@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from proxy.errors import StoreUnavailable
 from proxy.store import RecordKey, State, Store, make_store
+from proxy.store.sqlite import SQLiteStore
 from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
@@ -174,17 +177,6 @@ async def test_ping_answers_on_a_reachable_store(store: Store) -> None:
     assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
 
 
-async def test_unusable_sqlite_path_raises_store_unavailable(tmp_path: Path) -> None:
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    store = make_store(f"sqlite:///{blocker}/state.db")
-    with pytest.raises(StoreUnavailable):
-        await store.ping()
-    with pytest.raises(StoreUnavailable):
-        await store.claim(KEY, "fp", "a", LOCK, RESULT)
-    await store.close()
-
-
 async def test_unreachable_redis_raises_store_unavailable() -> None:
     store = make_store(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(StoreUnavailable):
@@ -281,7 +273,36 @@ async def test_sqlite_unusable_path_is_store_unavailable(tmp_path: Path) -> None
     store = make_store(f"sqlite://{blocker}/state.db")
     with pytest.raises(StoreUnavailable, match="sqlite"):
         await store.open()
+    with pytest.raises(StoreUnavailable, match="sqlite"):
+        await store.ping()  # readyz says 503
     await store.close()
+
+
+async def test_sqlite_failed_commit_is_rolled_back(tmp_path: Path) -> None:
+    """A COMMIT that fails (disk full, I/O error) must not leave the transaction open:
+    every later BEGIN would fail, and the write lock would stay held."""
+    schema = SQLiteStore(f"sqlite://{tmp_path}/state.db")
+    await schema.open()
+    await schema.close()
+    store = SQLiteStore(f"sqlite://{tmp_path}/state.db")
+    failures = [sqlite3.OperationalError("database or disk is full")]
+
+    class FailingCommit(sqlite3.Connection):
+        def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+            if sql == "COMMIT" and failures:
+                raise failures.pop()
+            return super().execute(sql, *args)
+
+    store._db = sqlite3.connect(
+        store.path, isolation_level=None, factory=FailingCommit, check_same_thread=False
+    )
+    try:
+        with pytest.raises(StoreUnavailable, match="disk is full"):
+            await store.claim(KEY, "fp", "a", LOCK, RESULT)
+        assert await store.get(KEY) is None  # rolled back
+        assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    finally:
+        await store.close()
 
 
 async def test_redis_keys_share_a_hash_tag() -> None:

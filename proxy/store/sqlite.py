@@ -86,10 +86,11 @@ class SQLiteStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             result = fn(db, self._clock(), *args)
+            db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # also after a failed COMMIT (disk full, I/O error):
+                db.execute("ROLLBACK")  # else every later BEGIN fails and the lock is held
             raise
-        db.execute("COMMIT")
         return result
 
     async def open(self) -> None:
