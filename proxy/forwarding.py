@@ -11,6 +11,7 @@ connection could be made) and ``OutcomeUnknown`` otherwise (the request may have
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,8 +52,10 @@ _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 KEEPALIVE_TIMEOUT = 4.0
 # Connections per upstream host; beyond it requests wait for a free connection.
 CONNECTIONS_PER_HOST = 256
-# How long opening a new upstream connection may take, at most.
+# How long getting an upstream connection (pooled or new) may take, at most, and as a
+# share of the route's timeout.
 CONNECT_TIMEOUT = 10.0
+CONNECT_SHARE = 0.9
 
 
 def _tokens(value: bytes) -> set[bytes]:
@@ -177,9 +180,15 @@ def _translated() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=64)
 def _timeout(seconds: float) -> aiohttp.ClientTimeout:
-    # sock_connect, not connect: a pooled connection is then taken without a timer of
-    # its own (the total still bounds the wait); a new one must connect in time.
-    return aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, CONNECT_TIMEOUT))
+    """``total`` bounds the whole exchange; ``connect`` bounds getting a connection (a free
+    one from the pool, or DNS and a new one) and ends strictly first, so running out of
+    time before anything was sent is a ``ConnectionTimeoutError`` (the key is released)
+    and never a plain timeout (FAILED). No rounding up to whole seconds, which could make
+    the two end together."""
+    connect = min(seconds * CONNECT_SHARE, CONNECT_TIMEOUT)
+    return aiohttp.ClientTimeout(
+        total=seconds, connect=connect, sock_connect=connect, ceil_threshold=math.inf
+    )
 
 
 class Upstream:

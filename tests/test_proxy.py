@@ -179,6 +179,33 @@ def test_broken_connection_records_failure(make_proxy: ProxyFactory, method: str
     assert breaking.received == 1
 
 
+def test_no_free_upstream_connection_in_time_releases_the_key(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Time ran out while waiting for a pooled connection: nothing was sent, so the key
+    is released (502 upstream-unreachable) and the retry executes; not FAILED."""
+    import concurrent.futures
+
+    from proxy import forwarding
+
+    monkeypatch.setattr(forwarding, "CONNECTIONS_PER_HOST", 1)
+    slow = route(tool.url, name="slow", prefix="/slow", timeout="10s")
+    proxy = make_proxy(slow, route(tool.url, timeout="1s"))
+    key = new_key(BODY)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(post, f"{proxy.url}/slow/x?delay=2", BODY, new_key(BODY))
+        time.sleep(0.3)  # the slow call holds the only connection
+        waiting = post(f"{proxy.url}/tools/x", key=key)
+        assert holder.result().status_code == 200
+    assert waiting.status_code == 502
+    assert problem_type(waiting) == "upstream-unreachable"
+    assert tool.count(key) == 0
+    retry = post(f"{proxy.url}/tools/x", key=key)
+    assert retry.status_code == 200
+    assert "idempotent-replayed" not in retry.headers
+    assert tool.count(key) == 1
+
+
 def test_pass_through_put_is_resent_once_on_a_broken_connection(
     make_proxy: ProxyFactory,
 ) -> None:
