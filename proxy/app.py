@@ -102,6 +102,13 @@ async def read_body(request: Incoming, limit: int) -> bytes:
     return b"".join(chunks)  # one chunk: the same object, not a copy
 
 
+def _target(scope: Scope) -> bytes:
+    """``METHOD /raw/path?query``: what, besides the body, a guarded request asks for."""
+    target = b"%s %s" % (scope["method"].encode(), scope.get("raw_path") or scope["path"].encode())
+    query: bytes = scope["query_string"]
+    return b"%s?%s" % (target, query) if query else target
+
+
 def _respond(upstream: UpstreamResponse, body: bytes, head: bool) -> Response:
     length = upstream.length if head and upstream.length is not None else len(body)
     headers = [*upstream.headers, (b"content-length", str(length).encode())]
@@ -203,6 +210,7 @@ class Proxy:
                 body,
                 request.header(b"content-type"),
                 principal,
+                _target(scope),
             )
         once = op is not None  # a guarded call is never sent twice
 

@@ -189,10 +189,11 @@ class ArgsHashMismatch(UnprocessableKey):
 
 
 class KeyReusedWithOtherBody(UnprocessableKey):
-    """An opaque key came back with a different body than the one first recorded."""
+    """A key came back with another request (method, path, query or body) than the one
+    first recorded."""
 
     slug = "idempotency-key-reused"
-    title = "Idempotency-Key was used with a different body"
+    title = "Idempotency-Key was used with a different request"
 
 
 class UpstreamUnreachable(ProxyError):

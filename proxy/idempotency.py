@@ -235,9 +235,20 @@ class Guard:
         return method in self._methods
 
     def operation(
-        self, header: str | None, body: bytes, content_type: str | None, principal: str = ""
+        self,
+        header: str | None,
+        body: bytes,
+        content_type: str | None,
+        principal: str = "",
+        target: bytes = b"",
     ) -> Operation | None:
-        """Parse the key and fingerprint the body; None for an unguarded request."""
+        """Parse the key and fingerprint the request; None for an unguarded request.
+
+        ``target`` is the method, path and query (``POST /tools/x?a=1``): the fingerprint
+        covers them with the body, so a key sent again to another tool of the route, or
+        with another method or query, is refused (422) instead of replaying an answer
+        that was not its own.
+        """
         if header is None:
             if self.policy.required:
                 methods = ", ".join(sorted(self._methods))
@@ -246,6 +257,7 @@ class Guard:
                 )
             return None
         digest = fingerprint(body, content_type, self.policy.canonicalization)
+        request = hashlib.sha256(b"%s\n%s" % (target, digest.encode())).hexdigest()
         scope = f"{self.route.name}|{principal}"
         if self.policy.key is KeyKind.COMPOSITE:
             key = parse_composite(header)
@@ -254,10 +266,11 @@ class Guard:
                     "args_hash must be the SHA-256 of the body's canonical JSON "
                     f"({self.policy.canonicalization.value}); the body hashes to {digest}"
                 )
-            return Operation(RecordKey(f"{scope}|{key.plan}|{key.step}", digest), str(key), digest)
+            slot = f"{scope}|{key.plan}|{key.step}"
+            return Operation(RecordKey(slot, digest), str(key), request)
         opaque = parse_opaque(header)
         slot = hashlib.sha256(opaque.encode()).hexdigest()[:40]
-        return Operation(RecordKey(f"{scope}|{slot}", "-"), opaque, digest)
+        return Operation(RecordKey(f"{scope}|{slot}", "-"), opaque, request)
 
     async def run(self, op: Operation, forward: Forward) -> tuple[Response, Outcome]:
         """Execute once, replay, or refuse as a conflict."""
@@ -284,7 +297,8 @@ class Guard:
         """The outcome to replay, or None to wait more; raises 422 or 409."""
         if record.fingerprint != op.fingerprint:
             raise KeyReusedWithOtherBody(
-                "this Idempotency-Key was first used with a different request body"
+                "this Idempotency-Key was first used with a different request "
+                "(method, path, query or body)"
             )
         if record.state is not State.IN_PROGRESS:
             return StoredResponse.decode(record.payload)

@@ -61,7 +61,7 @@ def test_fifty_duplicates_across_two_processes_sharing_redis(
         _check(responses)
         assert tool.count(key) == 1
         replay = httpx.post(
-            f"{proxies[1].url}/tools/p", json=BODY, headers={"Idempotency-Key": key}
+            f"{proxies[1].url}/tools/p?delay=0.5", json=BODY, headers={"Idempotency-Key": key}
         )
         assert replay.headers["idempotent-replayed"] == "true"
     finally:

@@ -127,7 +127,9 @@ def test_sigterm_after_the_caller_left_still_records_the_call(
     assert tool.count(key) == 1
     second = ProxyProcess(config, tmp_path).start()
     try:
-        replay = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+        replay = httpx.post(
+            second.url + "/tools/a?delay=1.5", json=BODY, headers={"Idempotency-Key": key}
+        )
     finally:
         second.stop()
     assert replay.status_code == 200
@@ -154,7 +156,9 @@ def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_pa
     assert answer.status_code == 200
     second = ProxyProcess(config, tmp_path).start()
     try:
-        replay = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+        replay = httpx.post(
+            second.url + "/tools/a?delay=1.5", json=BODY, headers={"Idempotency-Key": key}
+        )
     finally:
         second.stop()
     assert replay.headers["idempotent-replayed"] == "true"

@@ -289,6 +289,29 @@ def test_opaque_keys_fingerprint_the_body(tool: CountingTool, make_proxy: ProxyF
     assert tool.total == 1
 
 
+@pytest.mark.parametrize("kind", ["composite", "opaque"])
+def test_a_key_sent_with_another_method_path_or_query_is_refused(
+    tool: CountingTool, make_proxy: ProxyFactory, kind: str
+) -> None:
+    """Same key, same body, another request: 422, never the first request's answer."""
+    proxy = make_proxy(route(tool.url, key=kind, methods=["POST", "PUT"]))
+    key = new_key(BODY) if kind == "composite" else f"order-{uuid.uuid4().hex}"
+    headers = {"Idempotency-Key": key}
+    first = httpx.post(f"{proxy.url}/tools/refund?account=alice", json=BODY, headers=headers)
+    same = httpx.post(f"{proxy.url}/tools/refund?account=alice", json=BODY, headers=headers)
+    others = [
+        httpx.post(f"{proxy.url}/tools/delete-repo?account=alice", json=BODY, headers=headers),
+        httpx.post(f"{proxy.url}/tools/refund?account=bob", json=BODY, headers=headers),
+        httpx.post(f"{proxy.url}/tools/refund", json=BODY, headers=headers),
+        httpx.put(f"{proxy.url}/tools/refund?account=alice", json=BODY, headers=headers),
+    ]
+    assert first.status_code == same.status_code == 200
+    assert same.headers["idempotent-replayed"] == "true"
+    assert [r.status_code for r in others] == [422] * 4
+    assert {problem_type(r) for r in others} == {"idempotency-key-reused"}
+    assert tool.total == 1
+
+
 @pytest.mark.parametrize(
     ("key", "status", "kind"),
     [
