@@ -148,7 +148,8 @@ class RequestInProgress(ProxyError):
 
 
 class ResponseNotStored(ProxyError):
-    """The call executed, but its response was larger than max_stored_bytes: not replayable."""
+    """The call executed, but its response was larger than max_stored_bytes, or could not
+    be kept (its spool failed): not replayable."""
 
     status = 410
     slug = "response-not-stored"

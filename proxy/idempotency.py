@@ -48,16 +48,12 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
-from proxy.offload import ObjectRef, Offload, Spool
+from proxy.offload import STREAM_CHUNK_BYTES, ObjectRef, Offload, Spool
 from proxy.outcome import StoredResponse
 from proxy.store import Record, RecordKey, State, Store
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 
-# Chunks buffered between an offloaded body's recording and its first caller, and how
-# long a caller may read nothing before it is dropped (the recording goes on).
-TEE_CHUNKS = 16
-TEE_STALL_SECONDS = 30.0
 # Polling interval while a duplicate waits (conflict_wait) for the first call.
 CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
@@ -87,52 +83,60 @@ class Operation:
 
 def _bytes(body: bytes | Spool) -> bytes:
     """The body as bytes (a spool is read whole)."""
-    if not isinstance(body, Spool):
-        return body
-    body.file.seek(0)
-    return body.file.read()
+    return body.whole() if isinstance(body, Spool) else body
 
 
 class Tee:
-    """Chunks from the recording task to the first caller.
+    """The first caller's side of a body that is spooled and recorded as it arrives.
 
-    Bounded (the caller's pace holds the upstream back), and a caller that left, or reads
-    nothing for ``TEE_STALL_SECONDS``, is dropped: the recording goes on without it.
+    The recording never waits for the caller: it appends to the spool, and the caller
+    reads the spool at its own pace, from its own offset (a slow caller cannot make the
+    upstream exchange run out of time). What is spooled is readable at once, except the
+    last chunk, which waits for the outcome to be recorded: the caller never gets a
+    complete response that a retry would not get too.
     """
 
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(TEE_CHUNKS)
-        self._gone = asyncio.Event()
+    def __init__(self, spool: Spool) -> None:
+        spool.hold()
+        self._spool = spool
+        self._readable = 0
+        self._ended = False
+        self._error: BaseException | None = None
+        self._changed = asyncio.Event()
 
-    async def offer(self, item: bytes | BaseException | None) -> None:
-        if self._gone.is_set():
-            return
-        try:
-            async with asyncio.timeout(TEE_STALL_SECONDS):
-                put = asyncio.ensure_future(self._queue.put(item))
-                gone = asyncio.ensure_future(self._gone.wait())
-                try:
-                    await asyncio.wait({put, gone}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    put.cancel()
-                    gone.cancel()
-        except TimeoutError:
-            self._gone.set()
+    def readable(self, upto: int) -> None:
+        """The first ``upto`` bytes of the spool may be sent."""
+        self._readable = upto
+        self._changed.set()
 
-    async def end(self) -> None:
-        await self.offer(None)
+    def end(self) -> None:
+        """Recorded: the whole body may be sent."""
+        self._ended = True
+        self.readable(self._spool.size)
 
-    async def fail(self, exc: BaseException) -> None:
-        await self.offer(exc)
+    def fail(self, exc: BaseException) -> None:
+        """The response is cut short with ``exc``."""
+        self._error = exc
+        self._changed.set()
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        offset = 0
         try:
-            while (item := await self._queue.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if offset < self._readable:
+                    size = min(STREAM_CHUNK_BYTES, self._readable - offset)
+                    chunk = self._spool.read(offset, size)
+                    offset += len(chunk)
+                    yield chunk
+                elif self._ended:
+                    return
+                else:
+                    self._changed.clear()
+                    await self._changed.wait()
         finally:
-            self._gone.set()
+            self._spool.close()
 
 
 class Lease:
@@ -425,13 +429,11 @@ class Guard:
     def _tee(
         self, op: Operation, owner: str, upstream: UpstreamResponse, lease: Lease
     ) -> tuple[Response, Outcome]:
-        """Stream the body to the caller while it is spooled and recorded in the background.
-
-        The last chunk is held back until the outcome is recorded, so the caller never gets
-        a complete response that a retry would not get too.
-        """
-        tee = Tee()
-        self.tasks.spawn(self._spool_and_record(op, owner, upstream, lease, tee))
+        """Stream the body to the caller while it is spooled and recorded in the background."""
+        assert self.offload is not None
+        spool = Spool(self.offload.threshold)
+        tee = Tee(spool)
+        self.tasks.spawn(self._spool_and_record(op, owner, upstream, lease, spool, tee))
         response = StreamingResponse(tee.chunks(), upstream.status)
         length = (
             [] if upstream.length is None else [(b"content-length", str(upstream.length).encode())]
@@ -441,18 +443,19 @@ class Guard:
         return response, Outcome.RELEASED if released else Outcome.EXECUTED
 
     async def _spool_and_record(
-        self, op: Operation, owner: str, upstream: UpstreamResponse, lease: Lease, tee: Tee
+        self,
+        op: Operation,
+        owner: str,
+        upstream: UpstreamResponse,
+        lease: Lease,
+        spool: Spool,
+        tee: Tee,
     ) -> None:
-        assert self.offload is not None
-        spool = Spool(self.offload.threshold)
-        held: bytes | None = None
         try:
             try:
                 async for chunk in upstream.stream():
+                    tee.readable(spool.size)  # all but this chunk
                     spool.write(chunk)
-                    if held is not None:
-                        await tee.offer(held)
-                    held = chunk
             except OutcomeUnknown as exc:
                 self.log.error(
                     "outcome_unknown_mid_body",
@@ -461,23 +464,38 @@ class Guard:
                     error=exc.detail,
                 )
                 await self._record(op, owner, State.FAILED, StoredResponse.of_problem(exc), lease)
-                await tee.fail(exc)
+                tee.fail(exc)
+                return
+            except OSError as exc:  # the spool's (disk full): the tool did answer
+                await self._record(op, owner, State.COMPLETED, self._not_kept(op, exc), lease)
+                tee.fail(exc)
                 return
             if upstream.status in self._release_on:
                 lease.stop()
                 await self._release(op, owner)
             else:
-                stored = await self._storable(upstream, spool)
+                try:
+                    stored = await self._storable(upstream, spool)
+                except OSError as exc:
+                    stored = self._not_kept(op, exc)
                 await self._record(op, owner, State.COMPLETED, stored, lease)
-            if held is not None:
-                await tee.offer(held)
-            await tee.end()
+            tee.end()
         except BaseException as exc:
             lease.stop()
-            await tee.fail(exc)
+            tee.fail(exc)
             raise
         finally:
             spool.close()
+
+    def _not_kept(self, op: Operation, exc: OSError) -> StoredResponse:
+        """What is recorded when an answer could not be kept here (its spool failed)."""
+        self.log.error("response_not_stored", route=self.route.name, key=op.label, error=str(exc))
+        return StoredResponse.of_problem(
+            ResponseNotStored(
+                "the call was executed once; its response could not be kept by the proxy "
+                f"({exc.strerror or exc}) and cannot be replayed"
+            )
+        )
 
     async def _release(self, op: Operation, owner: str) -> None:
         try:

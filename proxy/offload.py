@@ -13,6 +13,7 @@ never overwritten.
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -81,44 +82,63 @@ def _mismatch(ref: ObjectRef) -> StoredResponseUnavailable:
 
 
 class Spool:
-    """A body on its way to object storage: in memory up to the threshold, then on disk.
+    """A body on its way to object storage: in memory up to the threshold, then in a
+    temporary file (under ``$TMPDIR``). The SHA-256 is computed as the chunks arrive.
 
-    The SHA-256 is computed as the chunks arrive; the file is deleted when closed.
+    ``read`` takes any part already written without moving the file's position
+    (``os.pread``), so the first caller can read the body while it is still being written,
+    or uploaded by obstore's threads. Each user that ``hold``s it ``close``s it; the last
+    one closes the file (which deletes it).
     """
 
     def __init__(self, threshold: int) -> None:
-        self.file: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=threshold)  # noqa: SIM115
+        self._threshold = threshold
+        self._memory = bytearray()
+        self._file: IO[bytes] | None = None
+        self._users = 1
         self.size = 0
         self._digest = hashlib.sha256()
 
     def write(self, chunk: bytes) -> None:
-        self.file.write(chunk)
+        if self._file is None and self.size + len(chunk) > self._threshold:
+            self._file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+            self._file.write(self._memory)
+            self._memory = bytearray()
+        if self._file is None:
+            self._memory += chunk
+        else:
+            self._file.write(chunk)
+            self._file.flush()  # readable by ``read`` at once
         self._digest.update(chunk)
         self.size += len(chunk)
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes from ``offset`` (fewer only at the end)."""
+        if self._file is None:
+            return bytes(self._memory[offset : offset + size])
+        return os.pread(self._file.fileno(), size, offset)
+
+    def whole(self) -> bytes:
+        return self.read(0, self.size)
+
+    def source(self) -> bytes | IO[bytes]:
+        """What to upload: the bytes, or the file from its start."""
+        if self._file is None:
+            return bytes(self._memory)
+        self._file.seek(0)
+        return self._file
 
     @property
     def sha256(self) -> str:
         return self._digest.hexdigest()
 
-    def read_all(self) -> bytes:
-        """The whole body (then closed)."""
-        self.file.seek(0)
-        try:
-            return self.file.read()
-        finally:
-            self.close()
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body in chunks (then closed)."""
-        self.file.seek(0)
-        try:
-            while chunk := self.file.read(STREAM_CHUNK_BYTES):
-                yield chunk
-        finally:
-            self.close()
+    def hold(self) -> None:
+        self._users += 1
 
     def close(self) -> None:
-        self.file.close()
+        self._users -= 1
+        if self._users == 0 and self._file is not None:
+            self._file.close()
 
 
 class Offload:
@@ -151,8 +171,7 @@ class Offload:
         """Write ``body`` create-only under a new unguessable name (multipart when large)."""
         path = f"{route}/{secrets.token_hex(16)}"
         if isinstance(body, Spool):
-            body.file.seek(0)
-            data: bytes | IO[bytes] = body.file
+            data: bytes | IO[bytes] = body.source()
             size, digest = body.size, body.sha256
         else:
             data = body

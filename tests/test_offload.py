@@ -66,6 +66,18 @@ def expected(size: int) -> bytes:
     return (bytes(range(256)) * (size // 256 + 1))[:size]
 
 
+def dechunked(data: bytes) -> bytes:
+    """A chunked HTTP/1.1 body, decoded (it must end with its last chunk)."""
+    body = bytearray()
+    while True:
+        line, _, data = data.partition(b"\r\n")
+        size = int(line, 16)
+        if size == 0:
+            return bytes(body)
+        body.extend(data[:size])
+        data = data[size + 2 :]
+
+
 def call(url: str, key: str) -> httpx.Response:
     return httpx.post(url, json=BODY, headers={"Idempotency-Key": key}, timeout=60)
 
@@ -286,6 +298,72 @@ def test_a_caller_leaving_mid_stream_does_not_stop_the_recording(
     assert replay.status_code == 200
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == expected(size)
+    assert tool.count(key) == 1
+
+
+def test_a_slow_first_caller_does_not_hold_the_recording_back(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    """The first caller reads nothing for longer than the route's timeout: the recording
+    goes on at the tool's pace (the body is far above what socket buffers hold), the
+    caller then gets the whole body, and the retry the replay."""
+    import socket
+    import time
+
+    offload = {"url": "memory://", "threshold_bytes": 1000}
+    proxy = make_proxy(route(tool.url, timeout="2s"), offload=offload)
+    key = new_key(BODY)
+    size = 24 * 1024 * 1024
+    payload = b'{"report":"big"}'
+    head = (
+        f"POST /tools/big?size={size} HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nIdempotency-Key: {key}\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", proxy.port)) as caller:
+        caller.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        caller.sendall(head.encode() + payload)
+        time.sleep(3)  # past the route's 2 s timeout, reading nothing
+        received = bytearray()
+        while chunk := caller.recv(1 << 20):
+            received.extend(chunk)
+    status_line, _, rest = bytes(received).partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 200 OK"
+    assert dechunked(rest.partition(b"\r\n\r\n")[2]) == expected(size)
+    replay = call(f"{proxy.url}/tools/big?size={size}", key)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == expected(size)
+    assert tool.count(key) == 1
+
+
+def test_a_spool_that_fails_records_the_call_as_executed_not_stored(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk under the spool fills up mid-body: the tool did run, so the retry gets
+    410 response-not-stored, never a second execution."""
+    import errno
+    import os
+
+    from proxy.offload import Spool
+
+    write = Spool.write
+
+    def write_until_full(self: Spool, chunk: bytes) -> None:
+        if self.size >= 4 * 65536:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(self, chunk)
+
+    monkeypatch.setattr(Spool, "write", write_until_full)
+    proxy = make_proxy(route(tool.url), offload={"url": "memory://", "threshold_bytes": 1000})
+    key = new_key(BODY)
+    url = f"{proxy.url}/tools/big?size={16 * 65536}"
+    with pytest.raises(httpx.RemoteProtocolError):  # the first caller's body is cut short
+        call(url, key)
+    retry = call(url, key)
+    assert retry.status_code == 410
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.json()["type"].endswith("response-not-stored")
+    assert "No space left on device" in retry.json()["detail"]
     assert tool.count(key) == 1
 
 
