@@ -373,12 +373,18 @@ class App:
             await self.admin(scope, receive, send)
 
 
+def shutdown_seconds(config: Config) -> float:
+    """How long a graceful shutdown waits for requests in flight, and then for the
+    recordings that outlive their requests: every call ends within its route's timeout."""
+    return max(r.timeout for r in config.routes) + SHUTDOWN_GRACE_SECONDS
+
+
 def create_app(config: Config, *, store: Store | None = None) -> App:
     """The ASGI application for ``config``; ``store`` overrides ``config.store.url``."""
     tasks = TaskSet()
     upstream = Upstream()
     proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks)
-    drain_seconds = max(r.timeout for r in config.routes) + SHUTDOWN_GRACE_SECONDS
+    drain_seconds = shutdown_seconds(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "with more than one worker"
             ]
         )
+    from proxy.app import shutdown_seconds
     from proxy.server import serve
 
     if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
@@ -50,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
     host = args.host or config.server.host
     port = args.port or config.server.port
-    serve(args.config, host, port, args.workers, args.log_level)
+    serve(args.config, host, port, args.workers, args.log_level, shutdown_seconds(config))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from typing import Any, cast
 
@@ -69,8 +70,20 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
 
-def serve(config_path: str | None, host: str, port: int, workers: int, log_level: str) -> None:
-    """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first."""
+def serve(
+    config_path: str | None,
+    host: str,
+    port: int,
+    workers: int,
+    log_level: str,
+    graceful_seconds: float,
+) -> None:
+    """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first.
+
+    After ``graceful_seconds`` uvicorn stops waiting for requests (a response still
+    streaming to a caller that stopped reading, say) and cancels them; the calls
+    themselves have ended by then (each within its route's timeout).
+    """
     if config_path:
         os.environ[ENV_CONFIG] = os.path.abspath(config_path)
     os.environ[ENV_LOG_LEVEL] = log_level
@@ -88,4 +101,5 @@ def serve(config_path: str | None, host: str, port: int, workers: int, log_level
         date_header=False,
         lifespan="on",
         proxy_headers=False,  # the peer address is the client: X-Forwarded-For is appended to
+        timeout_graceful_shutdown=math.ceil(graceful_seconds),
     )

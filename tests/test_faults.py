@@ -164,3 +164,25 @@ def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_pa
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == answer.content
     assert tool.count(key) == 1
+
+
+def test_sigterm_is_not_held_up_forever_by_a_caller_that_stopped_reading(
+    tool: CountingTool, tmp_path: Path
+) -> None:
+    """A response stuck on a caller that reads nothing: the graceful shutdown waits the
+    longest route timeout plus 5 s for it, then ends it, instead of waiting forever."""
+    import socket
+
+    plain = route(tool.url, guarded=False, timeout="1s")
+    config = {"store": {"url": "memory://"}, "routes": [plain]}
+    proxy = ProxyProcess(config, tmp_path).start()
+    size = 256 * 1024 * 1024  # far more than the socket buffers hold
+    with socket.create_connection(("127.0.0.1", proxy.port)) as caller:
+        caller.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        caller.sendall(f"GET /tools/big?size={size} HTTP/1.1\r\nHost: p\r\n\r\n".encode())
+        time.sleep(1.5)
+        started = time.monotonic()
+        code = proxy.stop()  # waits up to 30 s
+        took = time.monotonic() - started
+    assert code in (0, -signal.SIGTERM)
+    assert took < 15
