@@ -6,6 +6,7 @@ import concurrent.futures
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -105,6 +106,17 @@ def test_a_dead_proxy_holds_the_key_for_lock_ttl_only(tool: CountingTool, tmp_pa
         second.stop()
 
 
+def replay_on_a_fresh_proxy(
+    config: dict[str, Any], tmp_path: Path, path: str, key: str
+) -> httpx.Response:
+    """The same request sent again, to a new proxy process on the same store."""
+    proxy = ProxyProcess(config, tmp_path).start()
+    try:
+        return httpx.post(proxy.url + path, json=BODY, headers={"Idempotency-Key": key})
+    finally:
+        proxy.stop()
+
+
 def test_sigterm_after_the_caller_left_still_records_the_call(
     tool: CountingTool, tmp_path: Path
 ) -> None:
@@ -125,13 +137,7 @@ def test_sigterm_after_the_caller_left_still_records_the_call(
         if first.process is not None:  # a failed check must not leave it running
             first.stop()
     assert tool.count(key) == 1
-    second = ProxyProcess(config, tmp_path).start()
-    try:
-        replay = httpx.post(
-            second.url + "/tools/a?delay=1.5", json=BODY, headers={"Idempotency-Key": key}
-        )
-    finally:
-        second.stop()
+    replay = replay_on_a_fresh_proxy(config, tmp_path, "/tools/a?delay=1.5", key)
     assert replay.status_code == 200
     assert replay.headers["idempotent-replayed"] == "true"
     assert tool.count(key) == 1
@@ -154,13 +160,7 @@ def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_pa
         assert first.stop() in (0, -signal.SIGTERM)
         answer = pending.result()
     assert answer.status_code == 200
-    second = ProxyProcess(config, tmp_path).start()
-    try:
-        replay = httpx.post(
-            second.url + "/tools/a?delay=1.5", json=BODY, headers={"Idempotency-Key": key}
-        )
-    finally:
-        second.stop()
+    replay = replay_on_a_fresh_proxy(config, tmp_path, "/tools/a?delay=1.5", key)
     assert replay.headers["idempotent-replayed"] == "true"
     assert replay.content == answer.content
     assert tool.count(key) == 1
