@@ -417,8 +417,15 @@ class Guard:
             lease.stop()
             await self._release(op, owner)
             return answer, Outcome.RELEASED
-        stored = await self._storable(upstream, body)
-        await self._record(op, owner, State.COMPLETED, stored, lease)
+        try:
+            stored = await self._storable(upstream, body)
+        except Exception as exc:  # the proxy's own failure: the tool did answer
+            stored = self._not_kept(op, exc)
+        try:
+            await self._record(op, owner, State.COMPLETED, stored, lease)
+        except BaseException:
+            lease.stop()  # no renewals for ever: the key frees itself after lock_ttl
+            raise
         return answer, Outcome.EXECUTED
 
     def _tees(self, upstream: UpstreamResponse) -> bool:
@@ -476,7 +483,7 @@ class Guard:
             else:
                 try:
                     stored = await self._storable(upstream, spool)
-                except OSError as exc:
+                except Exception as exc:  # the proxy's own failure: the tool did answer
                     stored = self._not_kept(op, exc)
                 await self._record(op, owner, State.COMPLETED, stored, lease)
             tee.end()
@@ -487,13 +494,15 @@ class Guard:
         finally:
             spool.close()
 
-    def _not_kept(self, op: Operation, exc: OSError) -> StoredResponse:
-        """What is recorded when an answer could not be kept here (its spool failed)."""
-        self.log.error("response_not_stored", route=self.route.name, key=op.label, error=str(exc))
+    def _not_kept(self, op: Operation, exc: Exception) -> StoredResponse:
+        """What is recorded when the tool answered but the proxy could not keep the answer
+        (its spool failed, or a bug): the call is never run again."""
+        reason = (exc.strerror if isinstance(exc, OSError) else None) or repr(exc)
+        self.log.error("response_not_stored", route=self.route.name, key=op.label, error=reason)
         return StoredResponse.of_problem(
             ResponseNotStored(
                 "the call was executed once; its response could not be kept by the proxy "
-                f"({exc.strerror or exc}) and cannot be replayed"
+                f"({reason}) and cannot be replayed"
             )
         )
 

@@ -9,7 +9,9 @@ import pytest
 
 from proxy.background import TaskSet
 from proxy.config import parse_config
-from proxy.idempotency import Guard, Operation
+from proxy.forwarding import UpstreamResponse
+from proxy.idempotency import Guard, Operation, Outcome
+from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
 
@@ -29,6 +31,8 @@ class Log:
 
     def warning(self, event: str, **fields: Any) -> None:
         self.events.append(event)
+
+    error = warning
 
 
 def make_guard(store: MemoryStore, log: Log) -> Guard:
@@ -77,3 +81,58 @@ async def test_a_lease_taken_over_is_reported_and_no_longer_renewed() -> None:
     await asyncio.sleep(LOCK_TTL / 3 * 2)  # more ticks: reported once
     assert log.events == ["lease_lost"]
     lease.stop()
+
+
+class Answer(UpstreamResponse):
+    """The tool's answer, already read (no connection behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__(200, [(b"content-type", b"application/json")], 2, None)  # type: ignore[arg-type]
+
+    async def read(self) -> bytes:
+        return b"{}"
+
+
+async def forward() -> UpstreamResponse:
+    return Answer()
+
+
+async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure of the proxy's own after the tool answered: the caller gets the answer,
+    the record says the call ran (410 on retries), and it is never run again."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+
+    async def broken(*args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(guard, "_storable", broken)
+    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    response, outcome = await guard.run(op, forward)
+    assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+    record = await store.get(op.key)
+    assert record is not None and record.state is State.COMPLETED
+    assert StoredResponse.decode(record.payload).status == 410
+    assert "response_not_stored" in log.events
+    assert not guard._leases._held
+
+
+async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Renewed for ever, the key would answer 409 for the life of the process."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+
+    async def broken(*args: Any) -> bool:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(store, "complete", broken)
+    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    with pytest.raises(RuntimeError):
+        await guard.run(op, forward)
+    assert not guard._leases._held
+    await asyncio.sleep(LOCK_TTL * 2)
+    assert await store.get(op.key) is None  # not renewed: the lease ran out
