@@ -406,9 +406,14 @@ class Guard:
             await self._release(op, owner)
             raise
         except OutcomeUnknown as exc:
-            failure = StoredResponse.of_problem(exc)
-            await self._record(op, owner, State.FAILED, failure, lease)
-            return failure.to_response(replayed=False), Outcome.FAILED
+            return await self._failed(op, owner, exc, lease)
+        except Exception as exc:  # the proxy's own failure, the request perhaps sent
+            self.log.error("failed_in_flight", route=self.route.name, key=op.label, error=repr(exc))
+            unknown = OutcomeUnknown(
+                "the proxy failed while this call was in flight; it may have been executed",
+                status=502,
+            )
+            return await self._failed(op, owner, unknown, lease)
         except BaseException:
             lease.stop()
             raise
@@ -427,6 +432,14 @@ class Guard:
             lease.stop()  # no renewals for ever: the key frees itself after lock_ttl
             raise
         return answer, Outcome.EXECUTED
+
+    async def _failed(
+        self, op: Operation, owner: str, exc: OutcomeUnknown, lease: Lease
+    ) -> tuple[Response, Outcome]:
+        """Record that the outcome is unknown: replayed, never run again."""
+        failure = StoredResponse.of_problem(exc)
+        await self._record(op, owner, State.FAILED, failure, lease)
+        return failure.to_response(replayed=False), Outcome.FAILED
 
     def _tees(self, upstream: UpstreamResponse) -> bool:
         """True if the body may go to object storage: it then streams as it is recorded."""

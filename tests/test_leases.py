@@ -136,3 +136,20 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
     assert not guard._leases._held
     await asyncio.sleep(LOCK_TTL * 2)
     assert await store.get(op.key) is None  # not renewed: the lease ran out
+
+
+async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unknown() -> None:
+    """The request may have reached the tool: the call is FAILED (replayed), not re-run."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+
+    async def broken() -> UpstreamResponse:
+        raise RuntimeError("a bug")
+
+    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    response, outcome = await guard.run(op, broken)
+    assert (response.status_code, outcome) == (502, Outcome.FAILED)
+    record = await store.get(op.key)
+    assert record is not None and record.state is State.FAILED
+    assert "failed_in_flight" in log.events
+    assert not guard._leases._held
