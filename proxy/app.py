@@ -238,7 +238,7 @@ class Proxy:
         if upstream.status != 401:
             return upstream
         await upstream.read()  # the tool refused the token: drop it, get another, once
-        self.tokens.drop(route.name, principal)
+        self.tokens.drop(route.name, principal, token)
         token = await self.tokens.token(route.name, principal, subject)
         return await self._send(request, route, body, authorization=token, at_most_once=once)
 

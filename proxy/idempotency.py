@@ -10,10 +10,12 @@
 If the caller goes away, the call still finishes and its outcome is recorded, so the
 caller's retry gets a replay. The call runs in the request's own task: uvicorn never
 cancels that task when its caller leaves (it tells the app through ``receive()``, which
-the proxy does not wait on then) nor at a graceful shutdown (it waits for requests in
-flight). A task and a shield of its own per call cost about 18 µs per first execution
-(measured with bench/hot_path.py). Bodies streamed while they are recorded (offload) are
-recorded by a task of their own (see ``Tee``).
+the proxy does not wait on then), and at a graceful shutdown it waits for requests in
+flight for the longest route timeout plus 5 s; a call still running then is cancelled
+and recorded FAILED (outcome unknown), never left to run again. A task and a shield of
+its own per call cost about 18 µs per first execution (measured with bench/hot_path.py).
+Bodies streamed while they are recorded (offload) are recorded by a task of their own
+(see ``Tee``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def _bytes(body: bytes | Spool) -> bytes:
     return body.whole() if isinstance(body, Spool) else body
 
 
+class ResponseCutShort(Exception):
+    """The first caller's streamed response ends early: its recording failed."""
+
+
 class Tee:
     """The first caller's side of a body that is spooled and recorded as it arrives.
 
@@ -124,7 +130,7 @@ class Tee:
         try:
             while True:
                 if self._error is not None:
-                    raise self._error
+                    raise ResponseCutShort("the response was cut short") from self._error
                 if offset < self._readable:
                     size = min(STREAM_CHUNK_BYTES, self._readable - offset)
                     chunk = self._spool.read(offset, size)
@@ -414,6 +420,14 @@ class Guard:
                 status=502,
             )
             return await self._failed(op, owner, unknown, lease)
+        except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
+            self.log.error("cancelled_in_flight", route=self.route.name, key=op.label)
+            unknown = OutcomeUnknown(
+                "the proxy shut down while this call was in flight; it may have been executed",
+                status=502,
+            )
+            await self._failed(op, owner, unknown, lease)
+            raise
         except BaseException:
             lease.stop()
             raise
@@ -487,7 +501,12 @@ class Guard:
                 tee.fail(exc)
                 return
             except OSError as exc:  # the spool's (disk full): the tool did answer
-                await self._record(op, owner, State.COMPLETED, self._not_kept(op, exc), lease)
+                if upstream.status in self._release_on:
+                    lease.stop()
+                    await self._release(op, owner)
+                else:
+                    stored = self._not_kept(op, exc)
+                    await self._record(op, owner, State.COMPLETED, stored, lease)
                 tee.fail(exc)
                 return
             if upstream.status in self._release_on:

@@ -101,9 +101,14 @@ class Spool:
 
     def write(self, chunk: bytes) -> None:
         if self._file is None and self.size + len(chunk) > self._threshold:
-            self._file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
-            self._file.write(self._memory)
-            self._memory = bytearray()
+            file = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+            try:
+                file.write(self._memory)
+                file.flush()
+            except BaseException:
+                file.close()  # the spool stays in memory, whole
+                raise
+            self._file, self._memory = file, bytearray()
         if self._file is None:
             self._memory += chunk
         else:
@@ -113,13 +118,20 @@ class Spool:
         self.size += len(chunk)
 
     def read(self, offset: int, size: int) -> bytes:
-        """Up to ``size`` bytes from ``offset`` (fewer only at the end)."""
+        """``size`` bytes from ``offset``; ``OSError`` if fewer were written there."""
         if self._file is None:
-            return bytes(self._memory[offset : offset + size])
-        return os.pread(self._file.fileno(), size, offset)
+            chunk = bytes(self._memory[offset : offset + size])
+        else:
+            chunk = os.pread(self._file.fileno(), size, offset)
+        if len(chunk) != size:
+            raise OSError(f"the spool holds {len(chunk)} bytes at {offset}, not {size}")
+        return chunk
 
     def whole(self) -> bytes:
-        return self.read(0, self.size)
+        return b"".join(
+            self.read(offset, min(STREAM_CHUNK_BYTES, self.size - offset))
+            for offset in range(0, self.size, STREAM_CHUNK_BYTES)
+        )
 
     def source(self) -> bytes | IO[bytes]:
         """What to upload: the bytes, or the file from its start."""

@@ -153,3 +153,27 @@ async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unkn
     assert record is not None and record.state is State.FAILED
     assert "failed_in_flight" in log.events
     assert not guard._leases._held
+
+
+async def test_a_call_cancelled_in_flight_is_recorded_as_outcome_unknown() -> None:
+    """uvicorn cancels requests a graceful shutdown stopped waiting for: the request may
+    have reached the tool, so the call is FAILED (replayed), not left to run again."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+    sent = asyncio.Event()
+
+    async def slow() -> UpstreamResponse:
+        sent.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cancelled")
+
+    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    call = asyncio.ensure_future(guard.run(op, slow))
+    await sent.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    record = await store.get(op.key)
+    assert record is not None and record.state is State.FAILED
+    assert "cancelled_in_flight" in log.events
+    assert not guard._leases._held

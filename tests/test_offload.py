@@ -367,6 +367,64 @@ def test_a_spool_that_fails_records_the_call_as_executed_not_stored(
     assert tool.count(key) == 1
 
 
+def test_a_disk_full_when_the_spool_moves_to_disk_cuts_the_response_short(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary file opens but the first write fails: the caller's response ends
+    (it does not spin on a spool shorter than it should be), and the call is kept as
+    executed."""
+    import errno
+    import os
+    import tempfile
+
+    opened = tempfile.TemporaryFile
+
+    class FullDisk:
+        def __init__(self) -> None:
+            self.file = opened()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", FullDisk)
+    # the first 64 KiB chunk stays in memory (and is readable); the second moves it to disk
+    offload_config = {"url": "memory://", "threshold_bytes": 100_000}
+    proxy = make_proxy(route(tool.url), offload=offload_config)
+    key = new_key(BODY)
+    url = f"{proxy.url}/tools/big?size={16 * 65536}"
+    with pytest.raises(httpx.RemoteProtocolError):
+        call(url, key)
+    retry = call(url, key)
+    assert retry.status_code == 410
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+
+
+def test_a_spool_failure_on_a_release_status_releases_the_key(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 (in release_on_status) frees the key even when its body could not be spooled."""
+    import errno
+    import os
+
+    from proxy.offload import Spool
+
+    def full(self: Spool, chunk: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Spool, "write", full)
+    proxy = make_proxy(route(tool.url), offload={"url": "memory://", "threshold_bytes": 1000})
+    key = new_key(BODY)
+    url = f"{proxy.url}/tools/big?size={4 * 65536}&status=503"
+    for _ in range(2):
+        with pytest.raises(httpx.RemoteProtocolError):
+            call(url, key)
+    assert tool.count(key) == 2  # released each time: the retry executed
+
+
 def test_presigned_url_of_an_offloaded_replay(
     tool: CountingTool, make_proxy: ProxyFactory, s3: S3
 ) -> None:
@@ -382,3 +440,50 @@ def test_presigned_url_of_an_offloaded_replay(
     assert "X-Amz-Expires=120" in location
     assert replay.content == expected(5000)
     assert httpx.get(location).content == expected(5000)  # the agent can fetch it itself
+
+
+def test_spool_stays_whole_in_memory_when_moving_to_disk_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+    import os
+    import tempfile
+
+    from proxy import offload
+
+    opened = tempfile.TemporaryFile
+
+    class FullDisk:
+        def __init__(self) -> None:
+            self.file = opened()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+
+    spool = offload.Spool(threshold=10)
+    spool.write(b"12345678")
+    monkeypatch.setattr(tempfile, "TemporaryFile", FullDisk)
+    with pytest.raises(OSError, match="No space left"):
+        spool.write(b"abcdef")
+    assert spool.read(0, 8) == b"12345678"  # what was readable still is
+    with pytest.raises(OSError, match="holds 8 bytes"):
+        spool.read(0, 14)  # never a short read taken for data
+    spool.close()
+
+
+def test_spool_reads_any_part_while_it_grows_on_disk() -> None:
+    from proxy.offload import Spool
+
+    spool = Spool(threshold=4)
+    spool.write(b"abc")
+    assert spool.read(1, 2) == b"bc"
+    spool.write(b"defgh")  # now on disk
+    assert spool.read(0, 8) == b"abcdefgh"
+    spool.write(b"ij")
+    assert spool.read(6, 4) == b"ghij"
+    assert spool.whole() == b"abcdefghij"
+    assert spool.sha256 == hashlib.sha256(b"abcdefghij").hexdigest()
+    spool.close()

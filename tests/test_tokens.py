@@ -182,6 +182,25 @@ def tokens_for(idp: IdentityProvider, clock: list[float], **extra: Any) -> Downs
     return DownstreamTokens(list(config.routes), clock=lambda: clock[0])
 
 
+def test_a_late_drop_of_a_refused_token_keeps_the_newer_one(idp: IdentityProvider) -> None:
+    """Two requests got a 401 for the same token: the second drop must not throw away the
+    token the first one already fetched."""
+    tokens = tokens_for(idp, [1000.0])
+    subject = idp.token("alice")
+
+    async def run() -> list[str]:
+        first = await tokens.token("tool", "p-alice", subject)
+        tokens.drop("tool", "p-alice", first)  # the first 401
+        second = await tokens.token("tool", "p-alice", subject)
+        tokens.drop("tool", "p-alice", first)  # the second 401, for the same old token
+        third = await tokens.token("tool", "p-alice", subject)
+        await tokens.close()
+        return [first, second, third]
+
+    assert asyncio.run(run()) == ["dt-1-alice", "dt-2-alice", "dt-2-alice"]
+    assert len(idp.grants) == 2
+
+
 def test_hundred_concurrent_requests_at_expiry_cause_one_exchange(idp: IdentityProvider) -> None:
     clock = [1000.0]
     tokens = tokens_for(idp, clock)

@@ -158,13 +158,16 @@ class DownstreamTokens:
         if not task.cancelled():
             task.exception()  # seen by every waiter; retrieved here if none is left
 
-    def drop(self, route: str, principal: str) -> None:
-        """Forget a token the upstream refused (a 401 although it looked fresh)."""
+    def drop(self, route: str, principal: str, refused: str) -> None:
+        """Forget ``refused``, a token the upstream refused (a 401 although it looked
+        fresh); a newer one, fetched meanwhile by another request, is kept."""
         policy, _ = self._policies[route]
         key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
-        refused = self._cache.pop(key, None)
-        if refused is not None and self._shared is not None:
-            self._refused[_shared_name(key)] = refused.token
+        cached = self._cache.get(key)
+        if cached is not None and cached.token == refused:
+            del self._cache[key]
+        if self._shared is not None:
+            self._refused[_shared_name(key)] = refused
 
     def refreshes(self, route: str) -> bool:
         """True if ``route`` opted in to refresh tokens (callers may outlive their token)."""
