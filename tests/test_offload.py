@@ -78,6 +78,27 @@ def dechunked(data: bytes) -> bytes:
         data = data[size + 2 :]
 
 
+def fill_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, temporary files open but every write to them fails with ENOSPC."""
+    import errno
+    import os
+    import tempfile
+
+    opened = tempfile.TemporaryFile
+
+    class FullDisk:
+        def __init__(self) -> None:
+            self.file = opened()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", FullDisk)
+
+
 def call(url: str, key: str) -> httpx.Response:
     return httpx.post(url, json=BODY, headers={"Idempotency-Key": key}, timeout=60)
 
@@ -373,23 +394,7 @@ def test_a_disk_full_when_the_spool_moves_to_disk_cuts_the_response_short(
     """The temporary file opens but the first write fails: the caller's response ends
     (it does not spin on a spool shorter than it should be), and the call is kept as
     executed."""
-    import errno
-    import os
-    import tempfile
-
-    opened = tempfile.TemporaryFile
-
-    class FullDisk:
-        def __init__(self) -> None:
-            self.file = opened()
-
-        def write(self, data: bytes) -> int:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.file, name)
-
-    monkeypatch.setattr(tempfile, "TemporaryFile", FullDisk)
+    fill_the_disk(monkeypatch)
     # the first 64 KiB chunk stays in memory (and is readable); the second moves it to disk
     offload_config = {"url": "memory://", "threshold_bytes": 100_000}
     proxy = make_proxy(route(tool.url), offload=offload_config)
@@ -445,27 +450,11 @@ def test_presigned_url_of_an_offloaded_replay(
 def test_spool_stays_whole_in_memory_when_moving_to_disk_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import errno
-    import os
-    import tempfile
+    from proxy.offload import Spool
 
-    from proxy import offload
-
-    opened = tempfile.TemporaryFile
-
-    class FullDisk:
-        def __init__(self) -> None:
-            self.file = opened()
-
-        def write(self, data: bytes) -> int:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.file, name)
-
-    spool = offload.Spool(threshold=10)
+    spool = Spool(threshold=10)
     spool.write(b"12345678")
-    monkeypatch.setattr(tempfile, "TemporaryFile", FullDisk)
+    fill_the_disk(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         spool.write(b"abcdef")
     assert spool.read(0, 8) == b"12345678"  # what was readable still is
