@@ -102,9 +102,15 @@ async def read_body(request: Incoming, limit: int) -> bytes:
     return b"".join(chunks)  # one chunk: the same object, not a copy
 
 
+def _raw_path(scope: Scope) -> bytes:
+    """The path as the caller sent it (percent-encoding kept)."""
+    raw: bytes | None = scope.get("raw_path")
+    return raw or scope["path"].encode()
+
+
 def _target(scope: Scope) -> bytes:
     """``METHOD /raw/path?query``: what, besides the body, a guarded request asks for."""
-    target = b"%s %s" % (scope["method"].encode(), scope.get("raw_path") or scope["path"].encode())
+    target = b"%s %s" % (scope["method"].encode(), _raw_path(scope))
     query: bytes = scope["query_string"]
     return b"%s?%s" % (target, query) if query else target
 
@@ -190,7 +196,7 @@ class Proxy:
                 "absolute-form request targets are refused: this is not a forward proxy"
             )
         path = scope["path"]
-        check_path(path, scope.get("raw_path") or path.encode())
+        check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
         principal = "" if route.auth is None else await self._principal(request, route)
@@ -283,9 +289,7 @@ class Proxy:
             length=length,
             authorization=authorization,
         )
-        url = upstream_url(
-            route, scope.get("raw_path") or scope["path"].encode(), scope["query_string"]
-        )
+        url = upstream_url(route, _raw_path(scope), scope["query_string"])
         return self.upstream.send(
             request.method, url, headers, body, route.timeout, at_most_once=at_most_once
         )
