@@ -18,6 +18,7 @@ from proxy.store.memory import MemoryStore
 pytestmark = pytest.mark.anyio
 
 LOCK_TTL = 0.3  # renewed every 0.1 s
+OP = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(guard, "_storable", broken)
-    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    op = OP
     response, outcome = await guard.run(op, forward)
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
     record = await store.get(op.key)
@@ -130,7 +131,7 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(store, "complete", broken)
-    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    op = OP
     with pytest.raises(RuntimeError):
         await guard.run(op, forward)
     assert not guard._leases._held
@@ -146,7 +147,7 @@ async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unkn
     async def broken() -> UpstreamResponse:
         raise RuntimeError("a bug")
 
-    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    op = OP
     response, outcome = await guard.run(op, broken)
     assert (response.status_code, outcome) == (502, Outcome.FAILED)
     record = await store.get(op.key)
@@ -167,7 +168,7 @@ async def test_a_call_cancelled_in_flight_is_recorded_as_outcome_unknown() -> No
         await asyncio.sleep(30)
         raise AssertionError("not cancelled")
 
-    op = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+    op = OP
     call = asyncio.ensure_future(guard.run(op, slow))
     await sent.wait()
     call.cancel()
