@@ -414,19 +414,9 @@ class Guard:
         except OutcomeUnknown as exc:
             return await self._failed(op, owner, exc, lease)
         except Exception as exc:  # the proxy's own failure, the request perhaps sent
-            self.log.error("failed_in_flight", route=self.route.name, key=op.label, error=repr(exc))
-            unknown = OutcomeUnknown(
-                "the proxy failed while this call was in flight; it may have been executed",
-                status=502,
-            )
-            return await self._failed(op, owner, unknown, lease)
+            return await self._lost_in_flight(op, owner, lease, "failed", repr(exc))
         except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
-            self.log.error("cancelled_in_flight", route=self.route.name, key=op.label)
-            unknown = OutcomeUnknown(
-                "the proxy shut down while this call was in flight; it may have been executed",
-                status=502,
-            )
-            await self._failed(op, owner, unknown, lease)
+            await self._lost_in_flight(op, owner, lease, "cancelled", "shut down")
             raise
         except BaseException:
             lease.stop()
@@ -446,6 +436,18 @@ class Guard:
             lease.stop()  # no renewals for ever: the key frees itself after lock_ttl
             raise
         return answer, Outcome.EXECUTED
+
+    async def _lost_in_flight(
+        self, op: Operation, owner: str, lease: Lease, how: str, why: str
+    ) -> tuple[Response, Outcome]:
+        """The proxy itself ``how`` (failed, cancelled) while the call was in flight: the
+        request may have reached the tool, so the outcome is unknown."""
+        self.log.error(f"{how}_in_flight", route=self.route.name, key=op.label, error=why)
+        unknown = OutcomeUnknown(
+            f"the proxy {how} ({why}) while this call was in flight; it may have been executed",
+            status=502,
+        )
+        return await self._failed(op, owner, unknown, lease)
 
     async def _failed(
         self, op: Operation, owner: str, exc: OutcomeUnknown, lease: Lease
