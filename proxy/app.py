@@ -22,7 +22,7 @@ from proxy import logs
 from proxy.asgi import Incoming, Reply
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
-from proxy.auth.tokens import DownstreamTokens
+from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS, DownstreamTokens
 from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, TokenMode, load_config
 from proxy.errors import (
@@ -43,6 +43,7 @@ from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
 from proxy.metrics import Metrics
 from proxy.offload import Offload
+from proxy.operation import identify
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
@@ -64,8 +65,11 @@ OBJECT_SWEEP_INTERVAL_SECONDS = 600.0
 OBJECT_SWEEP_MARGIN_SECONDS = 3600.0
 # readyz gives up on the store after this long.
 READY_TIMEOUT_SECONDS = 2.0
-# Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
+# Extra time, beyond the longest a call can take, that shutdown waits for calls in flight.
 SHUTDOWN_GRACE_SECONDS = 5.0
+# The longest one store operation takes with its own retries (Redis: three attempts of a
+# 2 s socket timeout with backoff; SQLite: a 5 s busy timeout): a claim, then a conclusion.
+STORE_OPERATION_SECONDS = 7.0
 
 _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
@@ -143,13 +147,13 @@ class Proxy:
         self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
         self.offload = Offload(config.offload) if config.offload else None
+        self.metrics = Metrics()
         self.guards = {
-            r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload)
+            r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload, self.metrics)
             for r in config.routes
             if r.idempotency is not None
         }
         self.max_body = config.limits.max_body_bytes
-        self.metrics = Metrics()
         self.auth = Authenticator(config.auth) if config.auth else None
         self.tokens = _downstream_tokens(config, store)
 
@@ -211,7 +215,9 @@ class Proxy:
         body = await read_body(request, self.max_body)
         op = None
         if guard is not None:
-            op = guard.operation(
+            op = identify(
+                route.name,
+                guard.policy,
                 request.header(b"idempotency-key"),
                 body,
                 request.header(b"content-type"),
@@ -235,16 +241,19 @@ class Proxy:
     async def _forward_with_token(
         self, request: Incoming, route: RouteConfig, body: bytes, principal: str, once: bool
     ) -> UpstreamResponse:
-        """Send with the route's downstream token; one retry with a new token on a 401
-        (the tool refused the request, so it did not execute it)."""
-        assert self.tokens is not None
+        """Send with the route's downstream token. On a 401 the token is dropped (the next
+        call gets a new one); with ``token.retry_on_401`` this call is sent once more with
+        a new token (which takes a 401 to mean that the tool did nothing)."""
+        assert self.tokens is not None and route.token is not None
         subject = bearer_token(request.header(b"authorization"))
         token = await self.tokens.token(route.name, principal, subject)
         upstream = await self._send(request, route, body, authorization=token, at_most_once=once)
         if upstream.status != 401:
             return upstream
-        await upstream.read()  # the tool refused the token: drop it, get another, once
         self.tokens.drop(route.name, principal, token)
+        if not route.token.retry_on_401:
+            return upstream  # the tool's answer, recorded like any other
+        await upstream.read()
         token = await self.tokens.token(route.name, principal, subject)
         return await self._send(request, route, body, authorization=token, at_most_once=once)
 
@@ -377,15 +386,27 @@ class App:
             await self.admin(scope, receive, send)
 
 
+def call_seconds(route: RouteConfig) -> float:
+    """The longest a call of ``route`` can take, from its arrival to its conclusion: the
+    wait for a duplicate (conflict_wait), the claim, the token fetches and sends (two of
+    each with ``token.retry_on_401``), and the recording."""
+    token = route.token
+    fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
+    sends = 2 if token is not None and token.retry_on_401 else 1
+    wait = route.idempotency.conflict_wait if route.idempotency is not None else 0.0
+    tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
+    return wait + tokens + route.timeout * sends + 2 * STORE_OPERATION_SECONDS
+
+
 def shutdown_seconds(config: Config) -> float:
     """How long a graceful shutdown waits for requests in flight, and then for the
-    recordings that outlive their requests: every call ends within its route's timeout."""
-    return max(r.timeout for r in config.routes) + SHUTDOWN_GRACE_SECONDS
+    conclusions and recordings that outlive their requests."""
+    return max(call_seconds(r) for r in config.routes) + SHUTDOWN_GRACE_SECONDS
 
 
 def create_app(config: Config, *, store: Store | None = None) -> App:
     """The ASGI application for ``config``; ``store`` overrides ``config.store.url``."""
-    tasks = TaskSet()
+    tasks = TaskSet(logs.get_logger())
     upstream = Upstream()
     proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks)
     drain_seconds = shutdown_seconds(config)
@@ -418,8 +439,10 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
         finally:
             for chore in chores:
                 chore.cancel()
+            # uvicorn has waited for the requests, and cancelled those still running: their
+            # calls conclude now (a cancelled one records FAILED), before the store closes.
             if not await tasks.drain(drain_seconds):
-                proxy.log.error("shutdown_with_calls_in_flight", calls=len(tasks))
+                proxy.log.critical("shutdown_with_calls_in_flight", calls=len(tasks))
             await upstream.close()
             await proxy.store.close()
             if proxy.auth is not None:

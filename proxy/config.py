@@ -307,6 +307,9 @@ class TokenConfig(_Strict):
     refresh_ahead: float = Field(default=DEFAULT_REFRESH_AHEAD, gt=0, lt=1)
     use_refresh_tokens: bool = False
     actor_token_env: str | None = None
+    retry_on_401: bool = False
+    """Send a call once more, with a new token, when the tool answers 401. It assumes that a
+    tool answering 401 did nothing: if it can act and then answer 401, a call runs twice."""
 
     @model_validator(mode="after")
     def _complete(self) -> TokenConfig:

@@ -26,7 +26,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── OutcomeUnknown                      502/504  the request was sent, the answer was lost
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
     ├── OffloadUnavailable                  503  the object store refused a body (internal)
-    ├── StoreUnavailable                    503
+    ├── StoreUnavailable                    503  the store cannot be reached
+    │   └── StoreRefused                    503  it answered, refusing the write (no retry helps)
     ├── IdentityProviderUnavailable         503  the issuer's signing keys cannot be fetched
     └── StoreError                          500  the store answered something it should not
 
@@ -248,6 +249,16 @@ class StoreUnavailable(ProxyError):
 
     def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail, headers={"Retry-After": STORE_RETRY_AFTER, **(headers or {})})
+
+
+class StoreRefused(StoreUnavailable):
+    """The store answered but refused a write that retrying will not make pass: a value
+    above its size limit, out of memory with eviction off, not enough replicas. A refused
+    claim is a 503 like an unreachable store; a refused outcome is recorded in its small
+    "executed, response not kept" form instead."""
+
+    slug = "store-refused"
+    title = "Idempotency store refused the write"
 
 
 class StoreError(ProxyError):

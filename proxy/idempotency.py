@@ -1,29 +1,35 @@
-"""The state machine of a guarded call: claim, forward, renew, record or release, replay.
+"""The state machine of a guarded call: claim, forward, renew, then one way to conclude.
 
-    claim ──claimed──▶ forward ──answer──────────▶ COMPLETED (replayed for result_ttl)
-      │                  │   └─release_on_status──▶ released (the next call executes)
-      │                  ├─no connection──────────▶ released, 502
-      │                  └─timeout / broken───────▶ FAILED, 504/502 (replayed, never re-run)
+    claim ──claimed──▶ forward ──answer──▶ body ──▶ COMPLETED (replayed for result_ttl)
+      │                  │                   ├────▶ released (release_on_status: a retry runs)
+      │                  │                   └────▶ COMPLETED, response not kept (410 on replay)
+      │                  ├─nothing sent─────────▶ released (502, 401, 503)
+      │                  └─timeout, broken, the proxy failed or was cancelled
+      │                                          ─▶ FAILED (outcome unknown: replayed, never re-run)
       ├─IN_PROGRESS──▶ wait up to conflict_wait, then 409 + Retry-After
       └─COMPLETED / FAILED──▶ replay with Idempotent-Replayed: true
 
-If the caller goes away, the call still finishes and its outcome is recorded, so the
-caller's retry gets a replay. The call runs in the request's own task: uvicorn never
-cancels that task when its caller leaves (it tells the app through ``receive()``, which
-the proxy does not wait on then), and at a graceful shutdown it waits for requests in
-flight for the longest route timeout plus 5 s; a call still running then is cancelled
-and recorded FAILED (outcome unknown), never left to run again. A task and a shield of
-its own per call cost about 18 µs per first execution (measured with bench/hot_path.py).
-Bodies streamed while they are recorded (offload) are recorded by a task of their own
-(see ``Tee``).
+Every path after a claim ends in ``_conclude`` with a ``Verdict``: release the key, or
+record an outcome. It is the same path whether the body was read whole (small, of known
+length) or streamed to the caller while it is spooled (``Tee``), and it never raises: a
+store that refuses an outcome (too large, out of memory, no replicas) gets the small
+"executed, response not kept" record instead; a store out of reach is retried in the
+background while the lease lasts; what cannot be recorded at all is a ``critical`` log
+line and the ``not_recorded`` metric.
+
+If the caller goes away, the call still finishes and its outcome is recorded. The call
+runs in the request's own task: uvicorn does not cancel it when its caller leaves, and at
+a graceful shutdown it waits for it (``app.shutdown_seconds``); a call cancelled after
+that is recorded FAILED. ``TaskSet`` counts the calls from claim to conclusion, and the
+shutdown closes the store only once every one of them is concluded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import math
+import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -35,24 +41,25 @@ from starlette.responses import Response, StreamingResponse
 from proxy.background import TaskSet
 from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, RouteConfig
 from proxy.errors import (
-    ArgsHashMismatch,
     IdentityProviderUnavailable,
     KeyReusedWithOtherBody,
-    MissingIdempotencyKey,
     OffloadUnavailable,
     OutcomeUnknown,
+    ProxyError,
     RequestInProgress,
     ResponseNotStored,
-    StoredResponseUnavailable,
+    StoreRefused,
     StoreUnavailable,
     Unauthorized,
     UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
-from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
-from proxy.offload import STREAM_CHUNK_BYTES, ObjectRef, Offload, Spool
+from proxy.metrics import Metrics
+from proxy.offload import STREAM_CHUNK_BYTES, Offload, Spool
+from proxy.operation import Operation
 from proxy.outcome import StoredResponse
-from proxy.store import Record, RecordKey, State, Store
+from proxy.replay import Replayer, reply
+from proxy.store import Record, State, Store
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 
@@ -60,6 +67,8 @@ Forward = Callable[[], Awaitable[UpstreamResponse]]
 CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
 RECORD_RETRY_SECONDS = 0.5
+# Raised by ``forward`` when nothing reached the tool: the key is released.
+_NOT_SENT = (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable)
 
 
 class Outcome(StrEnum):
@@ -74,18 +83,42 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
 
 
+class _Owners:
+    """Owner tokens: only the holder of a claim may renew, record or release it, so tokens
+    never repeat, across processes and replicas: a random prefix per process and a counter
+    (they need not be unpredictable: they are never shown). The prefix is drawn again in
+    a forked child, so workers forked from one parent never share it."""
+
+    def __init__(self) -> None:
+        self._draw()
+        os.register_at_fork(after_in_child=self._draw)
+
+    def _draw(self) -> None:
+        self.prefix = secrets.token_urlsafe(12) + "."
+        self._counter = itertools.count()
+
+    def new(self) -> str:
+        return f"{self.prefix}{next(self._counter)}"
+
+
+OWNERS = _Owners()
+
+
 @dataclass(frozen=True, slots=True)
-class Operation:
-    """A guarded request: where its record lives and what its body means."""
+class Verdict:
+    """How a call's record ends: released (``stored`` is None), or recorded as ``state``."""
 
-    key: RecordKey
-    label: str
-    fingerprint: str
+    stored: StoredResponse | None
+    state: State = State.COMPLETED
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.stored is None:
+            return Outcome.RELEASED
+        return Outcome.FAILED if self.state is State.FAILED else Outcome.EXECUTED
 
 
-def _bytes(body: bytes | Spool) -> bytes:
-    """The body as bytes (a spool is read whole)."""
-    return body.whole() if isinstance(body, Spool) else body
+RELEASE = Verdict(None)
 
 
 class ResponseCutShort(Exception):
@@ -98,7 +131,7 @@ class Tee:
     The recording never waits for the caller: it appends to the spool, and the caller
     reads the spool at its own pace, from its own offset (a slow caller cannot make the
     upstream exchange run out of time). What is spooled is readable at once, except the
-    last chunk, which waits for the outcome to be recorded: the caller never gets a
+    last chunk, which waits for the outcome to be concluded: the caller never gets a
     complete response that a retry would not get too.
     """
 
@@ -116,7 +149,7 @@ class Tee:
         self._changed.set()
 
     def end(self) -> None:
-        """Recorded: the whole body may be sent."""
+        """Concluded: the whole body may be sent."""
         self._ended = True
         self.readable(self._spool.size)
 
@@ -166,10 +199,10 @@ class Leases:
     """The claims one route holds in this process, renewed together every lock_ttl/3.
 
     One timer per route rather than one per call: most calls end before any renewal,
-    and then a lease costs a set insertion and removal (a timer per call cost about
-    3 µs). A claim made just after a tick waits one interval for its first renewal, one
-    made just before is renewed early: either way, well before its lock_ttl ends. The
-    renewals of one tick ride one Redis round trip (see ``RedisStore``).
+    and then a lease costs a set insertion and removal. A claim made just after a tick
+    waits one interval for its first renewal, one made just before is renewed early:
+    either way, well before its lock_ttl ends. The renewals of one tick ride one Redis
+    round trip (see ``RedisStore``).
     """
 
     def __init__(self, guard: Guard) -> None:
@@ -223,68 +256,30 @@ class Guard:
         tasks: TaskSet,
         log: Any,
         offload: Offload | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.route = route
-        self.offload = offload
-        self._warned_large = False
         self.policy = policy
         self.store = store
         self.tasks = tasks
         self.log = log
+        self.offload = offload
+        self.metrics = metrics or Metrics()
+        self.replayer = Replayer(route.name, offload, log)
+        self._warned_large = False
         self._methods = frozenset(policy.methods)
         self._release_on = frozenset(policy.release_on_status)
-        # Owner tokens: only the holder of a claim may renew, record or release it, so
-        # tokens must never repeat, across processes and replicas too; they need not be
-        # unpredictable (they are never shown). A random prefix per guard and a counter:
-        # a tenth of the cost of a random token per call.
-        self._owner_prefix = secrets.token_urlsafe(12) + "."
-        self._owners = itertools.count()
+        # Bodies up to this size (of a known length) are read whole; others stream to the
+        # caller while they are spooled, so memory stays bounded whatever the tool sends.
+        self._read_whole = offload.threshold if offload else DEFAULT_OFFLOAD_THRESHOLD
         self._leases = Leases(self)
 
     def guards(self, method: str) -> bool:
         return method in self._methods
 
-    def operation(
-        self,
-        header: str | None,
-        body: bytes,
-        content_type: str | None,
-        principal: str = "",
-        target: bytes = b"",
-    ) -> Operation | None:
-        """Parse the key and fingerprint the request; None for an unguarded request.
-
-        ``target`` is the method, path and query (``POST /tools/x?a=1``): the fingerprint
-        covers them with the body, so a key sent again to another tool of the route, or
-        with another method or query, is refused (422) instead of replaying an answer
-        that was not its own.
-        """
-        if header is None:
-            if self.policy.required:
-                methods = ", ".join(sorted(self._methods))
-                raise MissingIdempotencyKey(
-                    f"route {self.route.name} requires an Idempotency-Key for {methods}"
-                )
-            return None
-        digest = fingerprint(body, content_type, self.policy.canonicalization)
-        request = hashlib.sha256(b"%s\n%s" % (target, digest.encode())).hexdigest()
-        scope = f"{self.route.name}|{principal}"
-        if self.policy.key is KeyKind.COMPOSITE:
-            key = parse_composite(header)
-            if key.args_hash != digest:
-                raise ArgsHashMismatch(
-                    "args_hash must be the SHA-256 of the body's canonical JSON "
-                    f"({self.policy.canonicalization.value}); the body hashes to {digest}"
-                )
-            slot = f"{scope}|{key.plan}|{key.step}"
-            return Operation(RecordKey(slot, digest), str(key), request)
-        opaque = parse_opaque(header)
-        slot = hashlib.sha256(opaque.encode()).hexdigest()[:40]
-        return Operation(RecordKey(f"{scope}|{slot}", "-"), opaque, request)
-
     async def run(self, op: Operation, forward: Forward) -> tuple[Response, Outcome]:
         """Execute once, replay, or refuse as a conflict."""
-        owner = f"{self._owner_prefix}{next(self._owners)}"
+        owner = OWNERS.new()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.conflict_wait
         while True:
@@ -293,17 +288,22 @@ class Guard:
             )
             if claim.record is None:
                 break
-            stored = self._existing(op, claim.record, deadline - loop.time())
+            stored = self._existing(claim.record, op, deadline - loop.time())
             if stored is not None:
-                return await self._replay(op, stored), Outcome.REPLAYED
+                return await self.replayer.response(op.label, stored), Outcome.REPLAYED
             await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
         if claim.previous is not None:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
-        return await self._execute(op, owner, forward)
+        lease = self._leases.hold(op, owner)
+        self.tasks.enter()
+        try:
+            return await self._execute(lease, forward)
+        finally:
+            self.tasks.leave()
 
-    def _existing(self, op: Operation, record: Record, wait_left: float) -> StoredResponse | None:
+    def _existing(self, record: Record, op: Operation, wait_left: float) -> StoredResponse | None:
         """The outcome to replay, or None to wait more; raises 422 or 409."""
         if record.fingerprint != op.fingerprint:
             raise KeyReusedWithOtherBody(
@@ -320,156 +320,99 @@ class Guard:
             headers={"Retry-After": str(retry_after)},
         )
 
-    async def _replay(self, op: Operation, stored: StoredResponse) -> Response:
-        ref = stored.ref
-        if ref is None:
-            return stored.to_response(replayed=True)
-        try:
-            if self.offload is None:
-                raise StoredResponseUnavailable(
-                    "the response body was offloaded, but no object store is configured now"
-                )
-            body = await self.offload.get(ref)
-        except StoredResponseUnavailable as exc:
-            self._unavailable(op, ref, exc)
-            raise
-        location = await self.offload.presigned(ref)
-        if location is not None:
-            stored = stored.with_header(b"content-location", location.encode())
-        if isinstance(body, bytes):
-            return stored.with_body(body).to_response(replayed=True)
-        response = StreamingResponse(self._watched(op, ref, body), stored.status)
-        response.raw_headers = stored.replay_headers(ref.size)
-        return response
-
-    async def _watched(
-        self, op: Operation, ref: ObjectRef, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        except StoredResponseUnavailable as exc:
-            self._unavailable(op, ref, exc, note="the replay was cut short")
-            raise
-
-    def _unavailable(
-        self, op: Operation, ref: ObjectRef, exc: StoredResponseUnavailable, note: str = ""
-    ) -> None:
-        self.log.error(
-            "stored_response_unavailable",
-            route=self.route.name,
-            key=op.label,
-            object=ref.path,
-            error=exc.detail,
-            note=note,
-        )
-
-    async def _storable(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
-        """The outcome to record: a large body goes to object storage when it can; one
-        above max_stored_bytes is replaced by a problem (the call is never re-run)."""
-        size = body.size if isinstance(body, Spool) else len(body)
-        limit = self.policy.max_stored_bytes
-        if limit is not None and size > limit:
-            self.log.warning("response_not_stored", route=self.route.name, bytes=size)
-            return StoredResponse.of_problem(
-                ResponseNotStored(
-                    f"the call was executed once; its {size}-byte response was above this "
-                    f"route's max_stored_bytes ({limit}) and cannot be replayed"
-                )
-            )
-        if self.offload is None:
-            if size > DEFAULT_OFFLOAD_THRESHOLD and not self._warned_large:
-                self._warned_large = True
-                self.log.warning(
-                    "large_response_stored_inline",
-                    route=self.route.name,
-                    bytes=size,
-                    note="configure offload to keep the store small",
-                )
-            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
-        if not self.offload.wants(size):
-            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
-        try:
-            ref = await self.offload.put(self.route.name, body)
-        except OffloadUnavailable as exc:
-            self.log.warning(
-                "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
-            )
-            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
-        return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)
-
-    async def _execute(
-        self, op: Operation, owner: str, forward: Forward
-    ) -> tuple[Response, Outcome]:
-        lease = self._leases.hold(op, owner)
+    async def _execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
+        """Forward the claimed call and conclude its record."""
         try:
             upstream = await forward()
-            if self._tees(upstream):
-                return self._tee(op, owner, upstream, lease)
-            body = await upstream.read()
-        except (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable):
-            lease.stop()  # nothing was sent (no connection, or no downstream token)
-            await self._release(op, owner)
+        except _NOT_SENT:
+            await self._conclude(lease, RELEASE)
             raise
         except OutcomeUnknown as exc:
-            return await self._failed(op, owner, exc, lease)
+            return await self._unknown(lease, exc)
         except Exception as exc:  # the proxy's own failure, the request perhaps sent
-            return await self._lost_in_flight(op, owner, lease, "failed", repr(exc))
+            return await self._unknown(lease, self._lost(lease, "failed", repr(exc)))
         except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
-            await self._lost_in_flight(op, owner, lease, "cancelled", "shut down")
+            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
             raise
         except BaseException:
             lease.stop()
             raise
-        answer = StoredResponse(upstream.status, upstream.headers, body).to_response(replayed=False)
-        if upstream.status in self._release_on:
-            lease.stop()
-            await self._release(op, owner)
-            return answer, Outcome.RELEASED
-        try:
-            stored = await self._storable(upstream, body)
-        except Exception as exc:  # the proxy's own failure: the tool did answer
-            stored = self._not_kept(op, exc)
-        try:
-            await self._record(op, owner, State.COMPLETED, stored, lease)
-        except BaseException:
-            lease.stop()  # no renewals for ever: the key frees itself after lock_ttl
-            raise
-        return answer, Outcome.EXECUTED
+        if self._streams(upstream):
+            return self._tee(lease, upstream)
+        return await self._read_whole_and_conclude(lease, upstream)
 
-    async def _lost_in_flight(
-        self, op: Operation, owner: str, lease: Lease, how: str, why: str
+    async def _read_whole_and_conclude(
+        self, lease: Lease, upstream: UpstreamResponse
     ) -> tuple[Response, Outcome]:
+        try:
+            body = await upstream.read()
+        except Exception as exc:
+            verdict = self._verdict_cut(lease, upstream, exc)
+            await self._conclude(lease, verdict)
+            problem = exc if isinstance(exc, ProxyError) else self._lost(lease, "failed", repr(exc))
+            failure = verdict.stored or StoredResponse.of_problem(problem)
+            return reply(failure, replayed=False), verdict.outcome
+        except asyncio.CancelledError:
+            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
+            raise
+        verdict = await self._verdict(lease, upstream, body)
+        await self._conclude(lease, verdict)
+        answer = StoredResponse(upstream.status, upstream.headers, body)
+        return reply(answer, replayed=False), verdict.outcome
+
+    def _lost(self, lease: Lease, how: str, why: str) -> OutcomeUnknown:
         """The proxy itself ``how`` (failed, cancelled) while the call was in flight: the
         request may have reached the tool, so the outcome is unknown."""
-        self.log.error(f"{how}_in_flight", route=self.route.name, key=op.label, error=why)
-        unknown = OutcomeUnknown(
+        self.log.error(f"{how}_in_flight", route=self.route.name, key=lease.op.label, error=why)
+        return OutcomeUnknown(
             f"the proxy {how} ({why}) while this call was in flight; it may have been executed",
             status=502,
         )
-        return await self._failed(op, owner, unknown, lease)
 
-    async def _failed(
-        self, op: Operation, owner: str, exc: OutcomeUnknown, lease: Lease
-    ) -> tuple[Response, Outcome]:
+    async def _unknown(self, lease: Lease, exc: OutcomeUnknown) -> tuple[Response, Outcome]:
         """Record that the outcome is unknown: replayed, never run again."""
         failure = StoredResponse.of_problem(exc)
-        await self._record(op, owner, State.FAILED, failure, lease)
-        return failure.to_response(replayed=False), Outcome.FAILED
+        await self._conclude(lease, Verdict(failure, State.FAILED))
+        return reply(failure, replayed=False), Outcome.FAILED
 
-    def _tees(self, upstream: UpstreamResponse) -> bool:
-        """True if the body may go to object storage: it then streams as it is recorded."""
-        offload = self.offload
-        return offload is not None and (upstream.length is None or offload.wants(upstream.length))
+    def _streams(self, upstream: UpstreamResponse) -> bool:
+        """True unless the body is small and of a known length: it then streams to the
+        caller while it is spooled (memory up to the threshold, then a file) and recorded."""
+        return upstream.length is None or upstream.length > self._read_whole
 
-    def _tee(
-        self, op: Operation, owner: str, upstream: UpstreamResponse, lease: Lease
-    ) -> tuple[Response, Outcome]:
+    async def _verdict(
+        self, lease: Lease, upstream: UpstreamResponse, body: bytes | Spool
+    ) -> Verdict:
+        """The verdict on a call whose tool answered in full."""
+        if upstream.status in self._release_on:
+            return RELEASE
+        try:
+            return Verdict(await self._storable(upstream, body))
+        except Exception as exc:  # the proxy's own failure: the tool did answer
+            return Verdict(self._not_kept(lease, exc))
+
+    def _verdict_cut(self, lease: Lease, upstream: UpstreamResponse, exc: Exception) -> Verdict:
+        """The verdict on a call whose tool answered but whose body was not had whole: the
+        connection broke or timed out (FAILED), or the proxy could not keep it (its spool
+        failed, a bug: executed, not kept). A release status still releases."""
+        if upstream.status in self._release_on:
+            return RELEASE
+        if isinstance(exc, OutcomeUnknown):
+            self.log.error(
+                "outcome_unknown_mid_body",
+                route=self.route.name,
+                key=lease.op.label,
+                error=exc.detail,
+            )
+            return Verdict(StoredResponse.of_problem(exc), State.FAILED)
+        return Verdict(self._not_kept(lease, exc))
+
+    def _tee(self, lease: Lease, upstream: UpstreamResponse) -> tuple[Response, Outcome]:
         """Stream the body to the caller while it is spooled and recorded in the background."""
-        assert self.offload is not None
-        spool = Spool(self.offload.threshold)
+        threshold = self.offload.threshold if self.offload else DEFAULT_OFFLOAD_THRESHOLD
+        spool = Spool(threshold)
         tee = Tee(spool)
-        self.tasks.spawn(self._spool_and_record(op, owner, upstream, lease, spool, tee))
+        self.tasks.spawn(self._spool_and_conclude(lease, upstream, spool, tee))
         response = StreamingResponse(tee.chunks(), upstream.status)
         length = (
             [] if upstream.length is None else [(b"content-length", str(upstream.length).encode())]
@@ -478,48 +421,22 @@ class Guard:
         released = upstream.status in self._release_on
         return response, Outcome.RELEASED if released else Outcome.EXECUTED
 
-    async def _spool_and_record(
-        self,
-        op: Operation,
-        owner: str,
-        upstream: UpstreamResponse,
-        lease: Lease,
-        spool: Spool,
-        tee: Tee,
+    async def _spool_and_conclude(
+        self, lease: Lease, upstream: UpstreamResponse, spool: Spool, tee: Tee
     ) -> None:
         try:
             try:
                 async for chunk in upstream.stream():
                     tee.readable(spool.size)  # all but this chunk
                     spool.write(chunk)
-            except OutcomeUnknown as exc:
-                self.log.error(
-                    "outcome_unknown_mid_body",
-                    route=self.route.name,
-                    key=op.label,
-                    error=exc.detail,
-                )
-                await self._record(op, owner, State.FAILED, StoredResponse.of_problem(exc), lease)
+            except Exception as exc:
+                await self._conclude(lease, self._verdict_cut(lease, upstream, exc))
                 tee.fail(exc)
                 return
-            except OSError as exc:  # the spool's (disk full): the tool did answer
-                if upstream.status in self._release_on:
-                    lease.stop()
-                    await self._release(op, owner)
-                else:
-                    stored = self._not_kept(op, exc)
-                    await self._record(op, owner, State.COMPLETED, stored, lease)
-                tee.fail(exc)
-                return
-            if upstream.status in self._release_on:
-                lease.stop()
-                await self._release(op, owner)
-            else:
-                try:
-                    stored = await self._storable(upstream, spool)
-                except Exception as exc:  # the proxy's own failure: the tool did answer
-                    stored = self._not_kept(op, exc)
-                await self._record(op, owner, State.COMPLETED, stored, lease)
+            except asyncio.CancelledError:
+                await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
+                raise
+            await self._conclude(lease, await self._verdict(lease, upstream, spool))
             tee.end()
         except BaseException as exc:
             lease.stop()
@@ -528,11 +445,53 @@ class Guard:
         finally:
             spool.close()
 
-    def _not_kept(self, op: Operation, exc: Exception) -> StoredResponse:
+    async def _storable(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
+        """The outcome to record: a large body goes to object storage when it can; one
+        above max_stored_bytes, or above what the store can hold, is replaced by a
+        problem (the call is never re-run)."""
+        size = body.size if isinstance(body, Spool) else len(body)
+        limit = self.store.max_payload_bytes
+        if self.policy.max_stored_bytes is not None:
+            limit = min(limit, self.policy.max_stored_bytes)
+        if size > limit and not (self.offload is not None and self.offload.wants(size)):
+            self.log.warning("response_not_stored", route=self.route.name, bytes=size)
+            return StoredResponse.of_problem(
+                ResponseNotStored(
+                    f"the call was executed once; its {size}-byte response was above this "
+                    f"route's limit on stored responses ({limit} bytes) and cannot be replayed"
+                )
+            )
+        if self.offload is None or not self.offload.wants(size):
+            self._warn_if_large(size)
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
+        try:
+            ref = await self.offload.put(self.route.name, body)
+        except OffloadUnavailable as exc:
+            self.log.warning(
+                "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
+            )
+            if size > limit:
+                raise
+            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
+        return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)
+
+    def _warn_if_large(self, size: int) -> None:
+        if self.offload is None and size > DEFAULT_OFFLOAD_THRESHOLD and not self._warned_large:
+            self._warned_large = True
+            self.log.warning(
+                "large_response_stored_inline",
+                route=self.route.name,
+                bytes=size,
+                note="configure offload to keep the store small",
+            )
+
+    def _not_kept(self, lease: Lease, exc: Exception) -> StoredResponse:
         """What is recorded when the tool answered but the proxy could not keep the answer
-        (its spool failed, or a bug): the call is never run again."""
-        reason = (exc.strerror if isinstance(exc, OSError) else None) or repr(exc)
-        self.log.error("response_not_stored", route=self.route.name, key=op.label, error=reason)
+        (its spool failed, the store refused it, a bug): the call is never run again."""
+        reason = _reason(exc)
+        self.log.error(
+            "response_not_stored", route=self.route.name, key=lease.op.label, error=reason
+        )
         return StoredResponse.of_problem(
             ResponseNotStored(
                 "the call was executed once; its response could not be kept by the proxy "
@@ -540,45 +499,77 @@ class Guard:
             )
         )
 
-    async def _release(self, op: Operation, owner: str) -> None:
+    # -- the one way a claim ends ---------------------------------------------------------
+
+    async def _conclude(self, lease: Lease, verdict: Verdict) -> None:
+        """Release the key or record the outcome. Never raises but CancelledError, and then
+        finishes in the background (the shutdown waits for it)."""
         try:
-            await self.store.release(op.key, owner)
+            if verdict.stored is None:
+                await self._release(lease)
+            else:
+                await self._record(lease, verdict.state, verdict.stored)
+        except asyncio.CancelledError:
+            self.tasks.spawn(self._conclude(lease, verdict))  # each step is idempotent
+            raise
+        except Exception as exc:
+            lease.stop()
+            self._not_recorded(lease, _reason(exc))
+
+    async def _release(self, lease: Lease) -> None:
+        lease.stop()
+        try:
+            await self.store.release(lease.op.key, lease.owner)
         except StoreUnavailable as exc:
+            self._event(lease, "release_failed")
             self.log.warning(
                 "release_failed",
                 route=self.route.name,
-                key=op.label,
+                key=lease.op.label,
                 error=exc.detail,
                 note="the key stays locked until lock_ttl ends",
             )
 
-    async def _record(
-        self,
-        op: Operation,
-        owner: str,
-        state: State,
-        stored: StoredResponse,
-        lease: Lease,
-    ) -> None:
-        """Record the outcome; if the store is down, keep trying in the background."""
+    async def _record(self, lease: Lease, state: State, stored: StoredResponse) -> None:
+        """Record the outcome; a refused one as "not kept"; if the store is out of reach,
+        keep trying in the background while the lease lasts."""
         payload = stored.encode()
         try:
-            await self._complete(op, owner, state, payload)
+            await self._complete(lease, state, payload)
+        except StoreRefused as exc:
+            await self._record_refused(lease, state, exc)
+            return
         except StoreUnavailable as exc:
-            self.log.error(
-                "outcome_not_recorded_yet",
-                route=self.route.name,
-                key=op.label,
-                error=exc.detail,
-                note="retrying while the lease lasts",
-            )
-            self.tasks.spawn(self._record_later(op, owner, state, payload, lease))
+            self._record_in_background(lease, state, payload, exc)
+            return
+        except Exception as exc:  # a bug, or a store that broke its contract
+            await self._record_refused(lease, state, exc)
             return
         lease.stop()
 
-    async def _complete(self, op: Operation, owner: str, state: State, payload: bytes) -> None:
+    async def _record_refused(self, lease: Lease, state: State, exc: Exception) -> None:
+        """The store refused the outcome (or failed on it): record the small "executed,
+        not kept" outcome instead, once."""
+        self._event(lease, "refused")
+        self.log.error(
+            "outcome_refused", route=self.route.name, key=lease.op.label, error=_reason(exc)
+        )
+        if state is State.FAILED:  # already small: a smaller one would not pass either
+            raise exc
+        payload = self._not_kept(lease, exc).encode()
+        try:
+            await self._complete(lease, State.COMPLETED, payload)
+        except StoreRefused:
+            raise
+        except StoreUnavailable as again:
+            self._record_in_background(lease, State.COMPLETED, payload, again)
+            return
+        lease.stop()
+
+    async def _complete(self, lease: Lease, state: State, payload: bytes) -> None:
+        op = lease.op
         done = await self.store.complete(
-            op.key, owner, op.fingerprint, state, payload, self.policy.result_ttl
+            op.key, lease.owner, op.fingerprint, state, payload, self.policy.result_ttl
         )
         if not done:
             self.log.error(
@@ -588,25 +579,59 @@ class Guard:
                 note="another owner took the key over; its outcome is kept",
             )
 
-    async def _record_later(
-        self, op: Operation, owner: str, state: State, payload: bytes, lease: Lease
+    def _record_in_background(
+        self, lease: Lease, state: State, payload: bytes, exc: StoreUnavailable
     ) -> None:
+        self.log.error(
+            "outcome_not_recorded_yet",
+            route=self.route.name,
+            key=lease.op.label,
+            error=exc.detail,
+            note="retrying while the lease lasts",
+        )
+        self.tasks.spawn(self._record_later(lease, state, payload))
+
+    async def _record_later(self, lease: Lease, state: State, payload: bytes) -> None:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.policy.lock_ttl
         try:
             while loop.time() < give_up:
                 await asyncio.sleep(RECORD_RETRY_SECONDS)
                 try:
-                    await self._complete(op, owner, state, payload)
+                    await self._complete(lease, state, payload)
                 except StoreUnavailable:
                     continue
-                self.log.info("outcome_recorded_late", route=self.route.name, key=op.label)
+                self._event(lease, "recorded_late")
+                self.log.info("outcome_recorded_late", route=self.route.name, key=lease.op.label)
                 return
-            self.log.critical(
-                "outcome_not_recorded",
-                route=self.route.name,
-                key=op.label,
-                note="the store stayed unreachable for lock_ttl; a retry may re-execute",
-            )
+            self._not_recorded(lease, "the store stayed unreachable for lock_ttl")
+        except Exception as exc:
+            self._not_recorded(lease, _reason(exc))
         finally:
             lease.stop()
+
+    def _not_recorded(self, lease: Lease, why: str) -> None:
+        self._event(lease, "not_recorded")
+        self.log.critical(
+            "outcome_not_recorded",
+            route=self.route.name,
+            key=lease.op.label,
+            error=why,
+            note="the record stays IN_PROGRESS until its lease ends",
+        )
+
+    def _event(self, lease: Lease, event: str) -> None:
+        self.metrics.outcome_event(self.route.name, event)
+
+
+def _bytes(body: bytes | Spool) -> bytes:
+    """The body as bytes (a spool is read whole)."""
+    return body.whole() if isinstance(body, Spool) else body
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ProxyError):
+        return exc.detail
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return repr(exc)

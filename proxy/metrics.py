@@ -63,6 +63,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._outcome_events = Counter(
+            "tool_proxy_outcome_events",
+            "Events in recording outcomes, by route and event: recorded_late (after the "
+            "store came back), refused (by the store: kept in the small 'not kept' form), "
+            "release_failed, not_recorded (lost: see the critical log line).",
+            ["route", "event"],
+            registry=self.registry,
+        )
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -77,6 +85,10 @@ class Metrics:
             )
         series[0].inc()
         series[1].observe(seconds)
+
+    def outcome_event(self, route: str, event: str) -> None:
+        """Count an event of the recording path (rare: not cached)."""
+        self._outcome_events.labels(route, event).inc()
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""

@@ -1,5 +1,7 @@
 """Recorded outcomes: a response (or the problem of an unknown outcome) as stored bytes.
 
+Only the encoding: ``replay.py`` renders an outcome as an HTTP response.
+
 Encoding: an HTTP-like head (version and status, then the headers), a blank line, then the
 body bytes untouched. Cheaper to write and read than JSON, on every first execution and
 every replay.
@@ -9,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from starlette.responses import Response
-
-from proxy.asgi import RawHeaders, Reply
+from proxy.asgi import RawHeaders
 from proxy.errors import ProxyError, StoreError
 from proxy.offload import ObjectRef
 from proxy.problems import MEDIA_TYPE, problem_body
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 # Never stored, so never replayed: another caller's session must not be set.
 _NOT_STORED = frozenset({b"set-cookie", b"content-length", b"transfer-encoding"})
 
@@ -89,14 +88,3 @@ class StoredResponse:
             return cls(int(status), headers, body, ref)
         except ValueError as exc:
             raise StoreError("a stored outcome is malformed") from exc
-
-    def replay_headers(self, length: int) -> RawHeaders:
-        """The stored headers with framing for ``length`` bytes and Idempotent-Replayed."""
-        return [*self.headers, (b"content-length", str(length).encode()), REPLAYED_HEADER]
-
-    def to_response(self, *, replayed: bool) -> Response:
-        """The response to send; framing (Content-Length) is recomputed."""
-        if replayed:
-            return Reply(self.status, self.replay_headers(len(self.body)), self.body)
-        length = (b"content-length", str(len(self.body)).encode())
-        return Reply(self.status, [*self.headers, length], self.body)

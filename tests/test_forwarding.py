@@ -3,7 +3,8 @@ from __future__ import annotations
 from multidict import CIMultiDict
 
 from proxy.forwarding import request_headers, response_headers
-from proxy.outcome import REPLAYED_HEADER, StoredResponse
+from proxy.outcome import StoredResponse
+from proxy.replay import REPLAYED_HEADER, reply
 
 
 def test_connection_named_fields_are_dropped() -> None:
@@ -82,7 +83,7 @@ def test_stored_responses_round_trip_without_set_cookie() -> None:
     decoded = StoredResponse.decode(stored.encode())
     assert decoded == stored
     assert (b"Set-Cookie", b"a=b") not in decoded.headers
-    response = decoded.to_response(replayed=True)
+    response = reply(decoded, replayed=True)
     assert response.status_code == 201
     assert REPLAYED_HEADER in response.raw_headers
     assert (b"content-length", b"6") in response.raw_headers

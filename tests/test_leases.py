@@ -10,7 +10,8 @@ import pytest
 from proxy.background import TaskSet
 from proxy.config import parse_config
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import Guard, Operation, Outcome
+from proxy.idempotency import Guard, Outcome
+from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
@@ -33,7 +34,7 @@ class Log:
     def warning(self, event: str, **fields: Any) -> None:
         self.events.append(event)
 
-    error = warning
+    error = critical = info = warning
 
 
 def make_guard(store: MemoryStore, log: Log) -> Guard:
@@ -123,17 +124,23 @@ async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
 async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Renewed for ever, the key would answer 409 for the life of the process."""
+    """The tool answered: the caller gets its answer, the small "not kept" record is
+    tried, and when even that fails the loss is a critical event; the lease is not
+    renewed for ever (the key would answer 409 for the life of the process)."""
     store, log = MemoryStore(), Log()
     guard = make_guard(store, log)
+    attempts: list[bytes] = []
 
     async def broken(*args: Any) -> bool:
+        attempts.append(args[4])
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(store, "complete", broken)
     op = OP
-    with pytest.raises(RuntimeError):
-        await guard.run(op, forward)
+    response, outcome = await guard.run(op, forward)
+    assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+    assert [StoredResponse.decode(p).status for p in attempts] == [200, 410]
+    assert log.events[-1] == "outcome_not_recorded"
     assert not guard._leases._held
     await asyncio.sleep(LOCK_TTL * 2)
     assert await store.get(op.key) is None  # not renewed: the lease ran out

@@ -109,7 +109,7 @@ def test_obo_uses_the_jwt_bearer_grant(
 def test_upstream_401_gets_a_new_token_once(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> None:
-    proxy = make_proxy(token_route(tool, idp, "client_credentials"))
+    proxy = make_proxy(token_route(tool, idp, "client_credentials", retry_on_401=True))
     assert call(f"{proxy.url}/tools/db").status_code == 200
     tool.reject_tokens.add("dt-1-machine")  # the tool revoked it early
     key = new_key(BODY, step=2)
@@ -117,6 +117,24 @@ def test_upstream_401_gets_a_new_token_once(
     assert response.status_code == 200
     assert forwarded_token(tool) == "dt-2-machine"
     assert tool.count(key) == 1
+
+
+def test_upstream_401_is_the_tools_answer_unless_retry_on_401(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    """A guarded call is never sent twice by default: the 401 is recorded and replayed;
+    the refused token is dropped, so the next call gets a new one."""
+    proxy = make_proxy(token_route(tool, idp, "client_credentials"))
+    assert call(f"{proxy.url}/tools/db").status_code == 200
+    tool.reject_tokens.add("dt-1-machine")
+    key = new_key(BODY, step=2)
+    assert call(f"{proxy.url}/tools/db", key=key).status_code == 401
+    assert len(idp.grants) == 1  # no second token: the call was not sent again
+    replay = call(f"{proxy.url}/tools/db", key=key)
+    assert (replay.status_code, replay.headers["idempotent-replayed"]) == (401, "true")
+    assert len(idp.grants) == 1
+    assert call(f"{proxy.url}/tools/db", key=new_key(BODY, step=3)).status_code == 200
+    assert forwarded_token(tool) == "dt-2-machine"
 
 
 def test_upstream_401_gets_a_new_token_with_the_shared_cache_too(
@@ -132,7 +150,8 @@ def test_upstream_401_gets_a_new_token_with_the_shared_cache_too(
     key_env = "TOOL_PROXY_TEST_TOKEN_KEY"
     monkeypatch.setenv(key_env, base64.b64encode(os.urandom(32)).decode())
     auth = {**auth_section(idp), "token_cache_key_env": key_env}
-    proxy = make_proxy(token_route(tool, idp, "client_credentials"), auth=auth)
+    route_spec = token_route(tool, idp, "client_credentials", retry_on_401=True)
+    proxy = make_proxy(route_spec, auth=auth)
     assert call(f"{proxy.url}/tools/db").status_code == 200
     tool.reject_tokens.add("dt-1-machine")
     key = new_key(BODY, step=2)

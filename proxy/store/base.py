@@ -68,7 +68,12 @@ class Claim:
 
 
 class Store(Protocol):
-    """An idempotency store. Every method is atomic; failures raise ``StoreUnavailable``."""
+    """An idempotency store. Every method is atomic; failures raise ``StoreUnavailable``,
+    and a write the store answers but refuses (too large, out of memory, too few
+    replicas) raises its subclass ``StoreRefused``."""
+
+    max_payload_bytes: int
+    """The largest outcome payload the backend can hold; larger ones are never sent."""
 
     async def claim(
         self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float

@@ -15,8 +15,14 @@ class _Entry:
     expires_at: float
 
 
+# The largest payload kept, as for Redis (a process's memory is no place for more).
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+
+
 class MemoryStore:
     """Dictionaries and a monotonic clock; expired entries are dropped when touched or swept."""
+
+    max_payload_bytes = MAX_PAYLOAD_BYTES
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

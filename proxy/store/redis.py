@@ -35,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from proxy.errors import StoreError, StoreUnavailable
+from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 
 KEY_PREFIX = "tp:"
@@ -49,6 +49,12 @@ MAX_CONNECTIONS = 16
 RETRIES = 2
 
 Command = tuple[Any, ...]
+# The largest payload sent: Redis refuses arguments above proto-max-bulk-len (512 MiB by
+# default) by closing the connection; a margin is left for the record's other fields.
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024 - 64 * 1024
+# Error replies that no retry will turn into success: the write is refused (``StoreRefused``),
+# not the store out of reach. READONLY (a failover under way) is not among them.
+REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
 
 _CLAIM = """
 local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl')
@@ -213,6 +219,8 @@ async def _reply(connection: AbstractConnection) -> Any:
 class RedisStore:
     """Lua scripts over one pooled ``redis.asyncio`` client (hiredis parser when installed)."""
 
+    max_payload_bytes = MAX_PAYLOAD_BYTES
+
     def __init__(self, url: str) -> None:
         self.url = url
         pool = ConnectionPool.from_url(
@@ -233,6 +241,8 @@ class RedisStore:
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
                 await self._coalescer.call("SCRIPT", "LOAD", source)
                 return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            raise _translated(exc) from exc
         except RedisError as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
@@ -276,6 +286,8 @@ class RedisStore:
     async def _command(self, *command: Any) -> Any:
         try:
             return await self._coalescer.call(*command)
+        except ResponseError as exc:
+            raise _translated(exc) from exc
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
 
@@ -311,6 +323,13 @@ class RedisStore:
     async def close(self) -> None:
         await self._coalescer.close()
         await self._redis.aclose()
+
+
+def _translated(exc: ResponseError) -> StoreUnavailable:
+    """An error reply: a refusal (``StoreRefused``) or the store unusable for now."""
+    message = str(exc)
+    kind = StoreRefused if message.startswith(REFUSALS) else StoreUnavailable
+    return kind(f"redis store: {message}")
 
 
 def _record(name: str, fields: list[Any]) -> Record:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
-from proxy.errors import StoreUnavailable
+from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 
 T = TypeVar("T")
@@ -26,6 +26,11 @@ T = TypeVar("T")
 # How long a writer waits for another process's transaction before giving up.
 BUSY_TIMEOUT_SECONDS = 5.0
 _SYNCHRONOUS = ("full", "normal", "extra")
+# SQLite's default SQLITE_MAX_LENGTH (1e9 bytes), less a margin for the rest of the row.
+MAX_PAYLOAD_BYTES = 1_000_000_000 - 64 * 1024
+# Result codes of writes that no retry will turn into success: the disk is full, or the
+# value is above SQLite's limits (``StoreRefused``).
+_REFUSALS = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_TOOBIG})
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -56,6 +61,8 @@ def parse_sqlite_url(url: str) -> tuple[str, str]:
 class SQLiteStore:
     """One SQLite connection on one thread, shared-file safe across processes."""
 
+    max_payload_bytes = MAX_PAYLOAD_BYTES
+
     def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
         self.path, self._synchronous = parse_sqlite_url(url)
         self._clock = clock
@@ -67,6 +74,8 @@ class SQLiteStore:
         try:
             return await loop.run_in_executor(self._executor, fn, *args)
         except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", None) in _REFUSALS:
+                raise StoreRefused(f"sqlite store {self.path}: {exc}") from exc
             raise StoreUnavailable(f"sqlite store {self.path}: {exc}") from exc
         except OSError as exc:
             raise StoreUnavailable(f"sqlite store {self.path}: {exc.strerror}") from exc
