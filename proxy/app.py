@@ -393,9 +393,11 @@ def call_seconds(route: RouteConfig) -> float:
     token = route.token
     fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
     sends = 2 if token is not None and token.retry_on_401 else 1
-    wait = route.idempotency.conflict_wait if route.idempotency is not None else 0.0
     tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
-    return wait + tokens + route.timeout * sends + 2 * STORE_OPERATION_SECONDS
+    seconds = tokens + route.timeout * sends
+    if route.idempotency is not None:
+        seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
+    return seconds
 
 
 def shutdown_seconds(config: Config) -> float:

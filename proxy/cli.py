@@ -49,9 +49,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
         # every worker writes its metrics here, so one scrape sees the whole server
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
+    if args.graceful_timeout is not None and args.graceful_timeout <= 0:
+        return _fail(["--graceful-timeout: must be a positive number of seconds"])
     host = args.host or config.server.host
     port = args.port or config.server.port
-    serve(args.config, host, port, args.workers, args.log_level, shutdown_seconds(config))
+    graceful = args.graceful_timeout or shutdown_seconds(config)
+    serve(args.config, host, port, args.workers, args.log_level, graceful)
     return 0
 
 
@@ -96,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
     serve.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--graceful-timeout",
+        type=float,
+        help="seconds a shutdown waits for requests before it cancels them (their calls are "
+        "then recorded FAILED); default: the longest a call can take, plus 5",
+    )
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a configuration file")

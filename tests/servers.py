@@ -248,9 +248,15 @@ class ProxyProcess:
     """``tool-proxy serve`` as a real process; its JSON log lines are kept."""
 
     def __init__(
-        self, config: dict[str, Any], tmp: Path, workers: int = 1, env: dict[str, str] | None = None
+        self,
+        config: dict[str, Any],
+        tmp: Path,
+        workers: int = 1,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.extra_env = env or {}
+        self.args = args
         self.port = free_port()
         self.config_path = tmp / f"proxy-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -280,6 +286,7 @@ class ProxyProcess:
                     str(self.port),
                     "--workers",
                     str(self.workers),
+                    *self.args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

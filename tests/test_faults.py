@@ -166,6 +166,38 @@ def test_sigterm_finishes_and_records_calls_in_flight(tool: CountingTool, tmp_pa
     assert tool.count(key) == 1
 
 
+def test_a_call_cancelled_by_the_shutdown_is_recorded_before_the_store_closes(
+    tool: CountingTool, tmp_path: Path, redis_url: str
+) -> None:
+    """A real SIGTERM on real Redis: uvicorn stops waiting for the call after the graceful
+    timeout and cancels it; its FAILED record is written before the store is closed, so
+    a retry on another proxy gets outcome-unknown, never a second execution."""
+    config = {"store": {"url": redis_url}, "routes": [route(tool.url, timeout="20s")]}
+    first = ProxyProcess(config, tmp_path, args=("--graceful-timeout", "1")).start()
+    key = new_key(BODY)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                httpx.post,
+                first.url + "/tools/a?delay=4",
+                json=BODY,
+                headers={"Idempotency-Key": key},
+                timeout=30,
+            )
+            time.sleep(0.5)  # the tool is working on it
+            assert first.stop() in (0, -signal.SIGTERM)
+            cut = pending.result()
+    finally:
+        if first.process is not None:
+            first.stop()
+    assert cut.status_code >= 500  # uvicorn answers a cancelled request 500
+    replay = replay_on_a_fresh_proxy(config, tmp_path, "/tools/a?delay=4", key)
+    assert replay.status_code == 502
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.json()["type"] == "urn:tool-proxy:problem:outcome-unknown"
+    wait_for(lambda: tool.count(key) == 1, what="the one execution")
+
+
 def test_sigterm_is_not_held_up_forever_by_a_caller_that_stopped_reading(
     tool: CountingTool, tmp_path: Path
 ) -> None:
