@@ -1,0 +1,280 @@
+"""The one way a claim ends: refusals by the store, failures of the proxy's own, the lease.
+
+The Guard runs against real stores (SQLite, a real redis-server); the tool's answer is
+an object already read, so each test sets up exactly the failure it is about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from proxy.app import create_app
+from proxy.background import TaskSet
+from proxy.config import parse_config
+from proxy.errors import OutcomeUnknown
+from proxy.forwarding import UpstreamResponse
+from proxy.idempotency import OWNERS, Guard, Outcome
+from proxy.metrics import Metrics
+from proxy.operation import Operation
+from proxy.outcome import StoredResponse
+from proxy.store import RecordKey, State, Store
+from proxy.store.memory import MemoryStore
+from proxy.store.sqlite import SQLiteStore
+from tests.conftest import new_key, route
+from tests.servers import CountingTool, RedisServer, ThreadServer
+
+pytestmark = pytest.mark.anyio
+
+OP = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Log:
+    """The events a guard logs, by name."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self.events.append(event)
+
+    warning = error = critical = info
+
+
+class Answer(UpstreamResponse):
+    """A tool's 200 answer whose body is at hand (no connection behind it)."""
+
+    def __init__(self, body: bytes, *, streamed: bool = False) -> None:
+        length = None if streamed else len(body)
+        headers = [(b"content-type", b"application/octet-stream")]
+        super().__init__(200, headers, length, None)  # type: ignore[arg-type]
+        self.body = body
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        for start in range(0, len(self.body), 65536):
+            yield self.body[start : start + 65536]
+
+
+def make_guard(store: Store, log: Log, metrics: Metrics | None = None, **policy: Any) -> Guard:
+    spec = {"name": "tool", "path_prefix": "/t", "upstream": "http://127.0.0.1:9"}
+    config = parse_config(
+        {"store": {"url": "memory://"}, "routes": [{**spec, "idempotency": policy}]}, env={}
+    )
+    (route_config,) = config.routes
+    assert route_config.idempotency is not None
+    return Guard(route_config, route_config.idempotency, store, TaskSet(), log, None, metrics)
+
+
+def answering(body: bytes, *, streamed: bool = False) -> Any:
+    async def forward() -> UpstreamResponse:
+        return Answer(body, streamed=streamed)
+
+    return forward
+
+
+async def body_of(response: Any) -> bytes:
+    if hasattr(response, "body_iterator"):
+        return b"".join([chunk async for chunk in response.body_iterator])
+    return bytes(response.body)
+
+
+def events(metrics: Metrics, event: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "tool_proxy_outcome_events_total", {"route": "tool", "event": event}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["read-whole", "streamed"])
+async def test_an_outcome_sqlite_refuses_is_recorded_as_executed_not_kept(
+    tmp_path: Path, streamed: bool
+) -> None:
+    """SQLite refuses a value above its length limit (SQLITE_TOOBIG): retrying cannot
+    help, so the small "executed, response not kept" record is written at once."""
+    store = SQLiteStore(f"sqlite://{tmp_path}/state.db")
+    await store.open()
+    limit = 150_000
+
+    def lower_the_limit() -> None:
+        store._conn().setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limit)
+
+    await store._run(lower_the_limit)
+    log, metrics = Log(), Metrics()
+    guard = make_guard(store, log, metrics)
+    body = os.urandom(limit + 1000) if not streamed else os.urandom(3 * limit)
+    try:
+        response, outcome = await guard.run(OP, answering(body, streamed=streamed))
+        assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+        assert await body_of(response) == body  # the caller gets the tool's answer
+        await guard.tasks.drain(5)
+        record = await store.get(OP.key)
+        assert record is not None and record.state is State.COMPLETED
+        assert StoredResponse.decode(record.payload).status == 410
+        assert "outcome_refused" in log.events
+        assert events(metrics, "refused") == 1
+        assert not guard._leases._held
+    finally:
+        await store.close()
+
+
+async def test_redis_refusing_every_write_is_a_critical_event_not_a_500(
+    tmp_path: Path,
+) -> None:
+    """NOREPLICAS refuses the outcome and its small form alike: the caller still gets
+    the tool's answer, the loss is a critical log line and a metric, and the lease is not
+    renewed for ever."""
+    from proxy.store.redis import RedisStore
+
+    server = RedisServer().start()
+    store = RedisStore(server.url)
+    admin = redis.Redis.from_url(server.url)
+    log, metrics = Log(), Metrics()
+    guard = make_guard(store, log, metrics)
+
+    async def forward() -> UpstreamResponse:
+        admin.config_set("min-replicas-to-write", 1)  # while the tool works
+        return Answer(b'{"charged": 42}')
+
+    try:
+        response, outcome = await guard.run(OP, forward)
+        assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+        assert bytes(response.body) == b'{"charged": 42}'
+        assert log.events[-3:] == ["outcome_refused", "response_not_stored", "outcome_not_recorded"]
+        assert events(metrics, "not_recorded") == 1
+        assert not guard._leases._held
+    finally:
+        await store.close()
+        admin.close()
+        server.stop()
+
+
+async def test_an_unexpected_failure_while_streaming_is_recorded_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug after the tool answered a streamed body: recorded as executed, not kept."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+
+    async def broken(*args: Any) -> StoredResponse:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(guard, "_storable", broken)
+    body = os.urandom(300_000)
+    response, outcome = await guard.run(OP, answering(body, streamed=True))
+    assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+    assert await body_of(response) == body
+    await guard.tasks.drain(5)
+    record = await store.get(OP.key)
+    assert record is not None and record.state is State.COMPLETED
+    assert StoredResponse.decode(record.payload).status == 410
+
+
+async def test_a_failed_recording_of_an_unknown_outcome_stops_the_renewals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The FAILED path: recording raises something unexpected; the lease is not renewed
+    for ever (the key would answer 409 until a restart)."""
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log, lock_ttl=0.3)
+
+    async def broken(*args: Any) -> bool:
+        raise RuntimeError("a bug")
+
+    async def times_out() -> UpstreamResponse:
+        raise OutcomeUnknown("no answer in time", status=504)
+
+    monkeypatch.setattr(store, "complete", broken)
+    response, outcome = await guard.run(OP, times_out)
+    assert (response.status_code, outcome) == (504, Outcome.FAILED)
+    assert "outcome_not_recorded" in log.events
+    assert not guard._leases._held
+
+
+async def test_a_cut_body_with_a_release_status_still_releases() -> None:
+    store, log = MemoryStore(), Log()
+    guard = make_guard(store, log)
+
+    class Cut(Answer):
+        async def read(self) -> bytes:
+            raise OutcomeUnknown("the connection broke mid-body")
+
+    async def forward() -> UpstreamResponse:
+        answer = Cut(b"")
+        answer.status = 503
+        return answer
+
+    response, outcome = await guard.run(OP, forward)
+    assert (response.status_code, outcome) == (502, Outcome.RELEASED)
+    assert await store.get(OP.key) is None  # a retry executes
+
+
+def test_owner_tokens_differ_in_a_forked_child() -> None:
+    """Workers forked from one parent never share owner tokens (each would take the
+    other's claim as its own)."""
+    parent = OWNERS.new()
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.write(writer, OWNERS.new().encode())
+        os._exit(0)
+    os.close(writer)
+    child = os.read(reader, 200).decode()
+    os.close(reader)
+    os.waitpid(pid, 0)
+    assert child.rsplit(".", 1)[0] != parent.rsplit(".", 1)[0]
+    assert OWNERS.new().rsplit(".", 1)[0] == parent.rsplit(".", 1)[0]
+
+
+def test_a_response_above_what_the_store_holds_streams_through_and_replays_410(
+    tool: CountingTool,
+) -> None:
+    """Without offload, a body the store cannot hold is never read whole into memory:
+    it streams to the caller (spooled to a file), and retries get 410."""
+    store = MemoryStore()
+    store.max_payload_bytes = 200_000
+    config = parse_config({"routes": [route(tool.url)]}, env={})
+    proxy = ThreadServer(create_app(config, store=store)).start()
+    try:
+        key = new_key({"a": 1})
+        size = 3 * 1024 * 1024
+        first = httpx.post(
+            f"{proxy.url}/tools/big?size={size}", json={"a": 1}, headers={"Idempotency-Key": key}
+        )
+        assert first.status_code == 200 and len(first.content) == size
+        replay = httpx.post(
+            f"{proxy.url}/tools/big?size={size}", json={"a": 1}, headers={"Idempotency-Key": key}
+        )
+        assert replay.status_code == 410
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert tool.count(key) == 1
+    finally:
+        proxy.stop()
+
+
+async def test_a_failing_background_task_is_logged() -> None:
+    log = Log()
+    tasks = TaskSet(log)
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    tasks.spawn(broken())
+    assert await tasks.drain(1)
+    await asyncio.sleep(0)
+    assert log.events == ["background_task_failed"]
