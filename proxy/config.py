@@ -144,6 +144,16 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
 
 
+class LapsedLease(StrEnum):
+    """What a claim makes of an IN_PROGRESS record whose lease lapsed (its proxy died, or
+    lost the store, with the call perhaps sent)."""
+
+    FAIL = "fail"
+    """FAILED: outcome unknown, replayed, never re-executed (unless reconciled)."""
+    REEXECUTE = "reexecute"
+    """Claim it: the call runs again (a crashed proxy never blocks a key for long)."""
+
+
 class IdempotencyConfig(_Strict):
     """How a route guards its calls."""
 
@@ -157,6 +167,7 @@ class IdempotencyConfig(_Strict):
     conflict_wait: Wait = 0.0
     release_on_status: tuple[int, ...] = DEFAULT_RELEASE_ON_STATUS
     max_stored_bytes: int | None = Field(default=None, ge=0)
+    on_lapsed_lease: LapsedLease = LapsedLease.FAIL
 
     @field_validator("methods")
     @classmethod

@@ -39,7 +39,7 @@ from typing import Any
 from starlette.responses import Response, StreamingResponse
 
 from proxy.background import TaskSet
-from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, RouteConfig
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, LapsedLease, RouteConfig
 from proxy.errors import (
     IdentityProviderUnavailable,
     KeyReusedWithOtherBody,
@@ -119,6 +119,14 @@ class Verdict:
 
 
 RELEASE = Verdict(None)
+# What a retry gets for a call whose lease lapsed with nothing recorded.
+LAPSED = StoredResponse.of_problem(
+    OutcomeUnknown(
+        "the proxy executing this call stopped renewing its lease (it stopped, or lost the "
+        "store) before recording an outcome; the call may have been executed",
+        status=502,
+    )
+)
 
 
 class ResponseCutShort(Exception):
@@ -234,7 +242,8 @@ class Leases:
     async def _renew(self, lease: Lease) -> None:
         guard, op = self._guard, lease.op
         try:
-            held = await guard.store.renew(op.key, lease.owner, guard.policy.lock_ttl)
+            policy = guard.policy
+            held = await guard.store.renew(op.key, lease.owner, policy.lock_ttl, policy.result_ttl)
         except StoreUnavailable as exc:  # keep trying: the store may be back in time
             guard.log.warning(
                 "lease_renewal_failed", route=guard.route.name, key=op.label, error=exc.detail
@@ -269,6 +278,7 @@ class Guard:
         self._warned_large = False
         self._methods = frozenset(policy.methods)
         self._release_on = frozenset(policy.release_on_status)
+        self._reexecute_lapsed = policy.on_lapsed_lease is LapsedLease.REEXECUTE
         # Bodies up to this size (of a known length) are read whole; others stream to the
         # caller while they are spooled, so memory stays bounded whatever the tool sends.
         self._read_whole = offload.threshold if offload else DEFAULT_OFFLOAD_THRESHOLD
@@ -280,11 +290,17 @@ class Guard:
     async def run(self, op: Operation, forward: Forward) -> tuple[Response, Outcome]:
         """Execute once, replay, or refuse as a conflict."""
         owner = OWNERS.new()
+        policy = self.policy
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.policy.conflict_wait
+        deadline = loop.time() + policy.conflict_wait
         while True:
             claim = await self.store.claim(
-                op.key, op.fingerprint, owner, self.policy.lock_ttl, self.policy.result_ttl
+                op.key,
+                op.fingerprint,
+                owner,
+                policy.lock_ttl,
+                policy.result_ttl,
+                reexecute_lapsed=self._reexecute_lapsed,
             )
             if claim.record is None:
                 break
@@ -310,6 +326,8 @@ class Guard:
                 "this Idempotency-Key was first used with a different request "
                 "(method, path, query or body)"
             )
+        if record.lapsed:
+            return LAPSED
         if record.state is not State.IN_PROGRESS:
             return StoredResponse.decode(record.payload)
         if wait_left > 0:

@@ -1,21 +1,31 @@
 """The store contract: what every backend (memory, sqlite, redis) must do, atomically.
 
-A record lives under a ``RecordKey``: ``slot`` groups the records of one logical
-step (route, principal, plan and step for composite keys) and ``name`` tells them
-apart (the args_hash). Each slot remembers the last name claimed in it, so the proxy
-can log a replan (the same step executed again with other arguments).
+A record lives under a ``RecordKey``: ``slot`` names one logical step (route, principal,
+plan and step for composite keys; route, principal and a digest for opaque ones) and
+``name`` tells apart the records of a step (the args_hash). The slot's part before its
+last ``|`` is its *scope*: one plan session of one principal on one route. Each scope
+keeps an index of its records (``records``), and each slot the last name claimed in it,
+so the proxy can log a replan (the same step executed again with other arguments).
 
 State machine::
 
     (absent) --claim--> IN_PROGRESS --complete--> COMPLETED | FAILED --result_ttl--> (absent)
-                         |   ^
+                         |   ^    |
                          |   renew (owner only)
+                         |        +--lease lapses, then a claim by another owner--> FAILED
+                         |                        (or, reexecute_lapsed, its new IN_PROGRESS)
                          +--release (owner only)--> (absent)
-                         +--lock_ttl passes without renew--> (absent)
+
+An IN_PROGRESS record carries its lease's end, evaluated with the store's own clock
+(Redis ``TIME``; the host's wall clock for SQLite; the process's for memory); the record
+itself lives ``result_ttl`` past its last write, so a lapsed lease is seen, never mistaken
+for a free key. A FAILED record with an empty payload is such a lapsed lease: the proxy
+renders it as "outcome unknown".
 
 Only the owner token given to ``claim`` may renew, complete or release: a proxy whose
-lease expired and was taken over can never overwrite the newer owner's outcome.
-(A late outcome whose record vanished and was not taken over is still recorded.)
+lease was taken over can never overwrite the newer owner's outcome. Its own lapsed lease
+(FAILED, empty payload, still its owner) it may still complete or release: its late
+outcome is the truth. (A late outcome whose record vanished is still recorded.)
 """
 
 from __future__ import annotations
@@ -39,6 +49,17 @@ class RecordKey(NamedTuple):
     slot: str
     name: str
 
+    @property
+    def scope(self) -> str:
+        """The slot up to its last ``|``: the plan session (route, principal, plan)."""
+        head, sep, _ = self.slot.rpartition("|")
+        return head if sep else self.slot
+
+    @property
+    def step(self) -> str:
+        """The slot after its last ``|``."""
+        return self.slot.rpartition("|")[2]
+
 
 @dataclass(frozen=True, slots=True)
 class Record:
@@ -50,7 +71,19 @@ class Record:
     ttl: float
     """Seconds left: on the lease while IN_PROGRESS, on the outcome otherwise."""
     payload: bytes = b""
-    """The recorded outcome (``outcome.encode``); empty while IN_PROGRESS."""
+    """The recorded outcome (``outcome.encode``); empty while IN_PROGRESS, and for a
+    FAILED record whose lease lapsed."""
+    key: RecordKey | None = None
+    """Where it lives (set by ``records`` and ``scan``)."""
+    created_at: float = 0.0
+    """When it was claimed (Unix seconds, the store's clock)."""
+    updated_at: float = 0.0
+    """When it was last written (claimed, renewed, recorded)."""
+
+    @property
+    def lapsed(self) -> bool:
+        """FAILED because the lease of the call lapsed (nobody recorded its outcome)."""
+        return self.state is State.FAILED and not self.payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,16 +109,26 @@ class Store(Protocol):
     """The largest outcome payload the backend can hold; larger ones are never sent."""
 
     async def claim(
-        self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float
+        self,
+        key: RecordKey,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        result_ttl: float,
+        *,
+        reexecute_lapsed: bool = False,
     ) -> Claim:
         """Create an IN_PROGRESS record owned by ``owner`` unless one exists (then return it).
 
         If the existing record is already owned by ``owner`` (a retried claim whose first
-        answer was lost), it counts as claimed.
+        answer was lost), it counts as claimed. An IN_PROGRESS record of another owner
+        whose lease has lapsed becomes FAILED (empty payload) and is returned, unless
+        ``reexecute_lapsed``: then ``owner`` claims it.
         """
 
-    async def renew(self, key: RecordKey, owner: str, lock_ttl: float) -> bool:
-        """Extend the lease; False if ``owner`` no longer holds it."""
+    async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
+        """Extend the lease by ``lock_ttl`` (and the record's life by ``result_ttl``);
+        False if ``owner`` no longer holds it."""
 
     async def complete(
         self,
@@ -104,10 +147,26 @@ class Store(Protocol):
         """
 
     async def release(self, key: RecordKey, owner: str) -> bool:
-        """Delete an IN_PROGRESS record held by ``owner``; False if not held."""
+        """Delete an IN_PROGRESS (or lapsed) record held by ``owner``; False if not held."""
 
     async def get(self, key: RecordKey) -> Record | None:
         """Read a record, or None."""
+
+    async def records(self, scope: str) -> list[Record]:
+        """Every live record of one scope (plan session), from its index, oldest first."""
+
+    async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
+        """About ``count`` records from ``cursor`` ("" to start); the next cursor, "" at the
+        end. For operators: bounded work per call, however many records there are."""
+
+    async def settle(
+        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+    ) -> bool:
+        """Resolve a FAILED record: record it as ``state`` with ``payload``, or delete it
+        (``state`` None); False unless the record is FAILED now."""
+
+    async def delete(self, key: RecordKey) -> bool:
+        """Delete a record whatever its state; False if there was none."""
 
     async def put_value(self, key: str, value: bytes, ttl: float) -> None:
         """Keep ``value`` under ``key`` for ``ttl`` seconds (shared values, e.g. tokens)."""

@@ -8,47 +8,78 @@ from dataclasses import dataclass, replace
 
 from proxy.store.base import Claim, Record, RecordKey, State
 
+# The largest payload kept, as for Redis (a process's memory is no place for more).
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+
 
 @dataclass(slots=True)
 class _Entry:
     record: Record
     expires_at: float
-
-
-# The largest payload kept, as for Redis (a process's memory is no place for more).
-MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+    lease_until: float = 0.0
 
 
 class MemoryStore:
-    """Dictionaries and a monotonic clock; expired entries are dropped when touched or swept."""
+    """Dictionaries and a monotonic clock; expired entries are dropped when touched or swept.
+
+    Times shown in records (``created_at``, ``updated_at``) are wall-clock seconds.
+    """
 
     max_payload_bytes = MAX_PAYLOAD_BYTES
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._records: dict[RecordKey, _Entry] = {}
+        self._scopes: dict[str, set[RecordKey]] = {}
         self._last_in_slot: dict[str, tuple[str, float]] = {}
         self._values: dict[str, tuple[bytes, float]] = {}
 
     def _live(self, key: RecordKey) -> _Entry | None:
         entry = self._records.get(key)
         if entry is not None and entry.expires_at <= self._clock():
-            del self._records[key]
+            self._forget(key)
             return None
         return entry
 
-    def _view(self, entry: _Entry) -> Record:
-        return replace(entry.record, ttl=max(entry.expires_at - self._clock(), 0.0))
+    def _forget(self, key: RecordKey) -> None:
+        del self._records[key]
+        scope = self._scopes.get(key.scope)
+        if scope is not None:
+            scope.discard(key)
+            if not scope:
+                del self._scopes[key.scope]
+
+    def _put(self, key: RecordKey, entry: _Entry) -> None:
+        self._records[key] = entry
+        self._scopes.setdefault(key.scope, set()).add(key)
+
+    def _view(self, key: RecordKey, entry: _Entry) -> Record:
+        now = self._clock()
+        left = entry.lease_until if entry.record.state is State.IN_PROGRESS else entry.expires_at
+        return replace(entry.record, ttl=max(left - now, 0.0), key=key)
 
     async def claim(
-        self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float
+        self,
+        key: RecordKey,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        result_ttl: float,
+        *,
+        reexecute_lapsed: bool = False,
     ) -> Claim:
         entry = self._live(key)
-        if entry is not None and entry.record.owner != owner:
-            return Claim(self._view(entry))
         now = self._clock()
-        record = Record(State.IN_PROGRESS, fingerprint, owner, lock_ttl)
-        self._records[key] = _Entry(record, now + lock_ttl)
+        if entry is not None and entry.record.owner != owner:
+            lapsed = entry.record.state is State.IN_PROGRESS and entry.lease_until <= now
+            if not lapsed:
+                return Claim(self._view(key, entry))
+            if not reexecute_lapsed:
+                entry.record = replace(entry.record, state=State.FAILED, updated_at=time.time())
+                return Claim(self._view(key, entry))
+        wall = time.time()
+        record = Record(State.IN_PROGRESS, fingerprint, owner, lock_ttl, b"", None, wall, wall)
+        self._put(key, _Entry(record, now + result_ttl, now + lock_ttl))
         last = self._last_in_slot.get(key.slot)
         self._last_in_slot[key.slot] = (key.name, now + result_ttl)
         previous = last[0] if last and last[1] > now and last[0] != key.name else None
@@ -60,11 +91,14 @@ class MemoryStore:
             return None
         return entry
 
-    async def renew(self, key: RecordKey, owner: str, lock_ttl: float) -> bool:
+    async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
         entry = self._held(key, owner)
         if entry is None or entry.record.state is not State.IN_PROGRESS:
             return False
-        entry.expires_at = self._clock() + lock_ttl
+        now = self._clock()
+        entry.lease_until = now + lock_ttl
+        entry.expires_at = max(entry.expires_at, now + result_ttl)
+        entry.record = replace(entry.record, updated_at=time.time())
         return True
 
     async def complete(
@@ -79,27 +113,59 @@ class MemoryStore:
         entry = self._live(key)
         if entry is not None and entry.record.owner != owner:
             return False
-        record = Record(state, fingerprint, owner, result_ttl, payload)
-        self._records[key] = _Entry(record, self._clock() + result_ttl)
+        wall = time.time()
+        created = entry.record.created_at if entry is not None else wall
+        record = Record(state, fingerprint, owner, result_ttl, payload, None, created, wall)
+        self._put(key, _Entry(record, self._clock() + result_ttl))
         return True
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         entry = self._held(key, owner)
-        if entry is None or entry.record.state is not State.IN_PROGRESS:
+        if entry is None or not _releasable(entry.record):
             return False
-        del self._records[key]
+        self._forget(key)
         return True
 
     async def get(self, key: RecordKey) -> Record | None:
         entry = self._live(key)
-        return None if entry is None else self._view(entry)
+        return None if entry is None else self._view(key, entry)
+
+    async def records(self, scope: str) -> list[Record]:
+        keys = list(self._scopes.get(scope, ()))
+        found = [self._view(k, e) for k in keys if (e := self._live(k)) is not None]
+        return sorted(found, key=lambda r: (r.created_at, r.key or ("", "")))
+
+    async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
+        keys = sorted(k for k in self._records if "\x00".join(k) > cursor)[: max(count, 1)]
+        found = [self._view(k, e) for k in keys if (e := self._live(k)) is not None]
+        more = len(keys) == max(count, 1)
+        return ("\x00".join(keys[-1]) if more else ""), found
+
+    async def settle(
+        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+    ) -> bool:
+        entry = self._live(key)
+        if entry is None or entry.record.state is not State.FAILED:
+            return False
+        if state is None:
+            self._forget(key)
+            return True
+        record = replace(entry.record, state=state, payload=payload, updated_at=time.time())
+        self._put(key, _Entry(record, self._clock() + result_ttl))
+        return True
+
+    async def delete(self, key: RecordKey) -> bool:
+        if self._live(key) is None:
+            return False
+        self._forget(key)
+        return True
 
     async def sweep(self) -> int:
         """Drop every expired record; return how many."""
         now = self._clock()
         expired = [k for k, e in self._records.items() if e.expires_at <= now]
         for key in expired:
-            del self._records[key]
+            self._forget(key)
         for slot in [s for s, (_, exp) in self._last_in_slot.items() if exp <= now]:
             del self._last_in_slot[slot]
         for name in [k for k, (_, exp) in self._values.items() if exp <= now]:
@@ -135,3 +201,8 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+
+def _releasable(record: Record) -> bool:
+    """IN_PROGRESS, or its lease lapsed (FAILED with no payload): nothing recorded yet."""
+    return record.state is State.IN_PROGRESS or record.lapsed

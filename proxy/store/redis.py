@@ -56,42 +56,127 @@ MAX_PAYLOAD_BYTES = 512 * 1024 * 1024 - 64 * 1024
 # not the store out of reach. READONLY (a failover under way) is not among them.
 REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
 
-_CLAIM = """
-local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl')
+# Every script that writes a record starts with ``redis.replicate_commands()`` (a no-op on
+# Redis 7, required on 5 and 6 before writing after ``TIME``). Times are milliseconds.
+_NOW = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+"""
+
+# KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
+# result_ms, reexecute_lapsed (0/1), index member.
+_CLAIM = (
+    _NOW
+    + """
+local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut')
 if r[1] and r[3] ~= ARGV[3] then
-  return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1])}
+  if r[1] ~= 'in_progress' then
+    return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7]}
+  end
+  local left = tonumber(r[5] or 0) - now
+  if left > 0 then return {0, r[1], r[2], r[3], '', left, r[6], r[7]} end
+  if ARGV[6] == '0' then
+    redis.call('HSET', KEYS[1], 'st', 'failed', 'pl', '', 'ut', now)
+    return {0, 'failed', r[2], r[3], '', redis.call('PTTL', KEYS[1]), r[6], now}
+  end
 end
-redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3], 'pl', '',
+  'lu', now + ARGV[4], 'ct', now, 'ut', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('SADD', KEYS[3], ARGV[7])
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
 local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
 return {1, prev or ''}
 """
+)
 
-_GET = """
-local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl')
-if not r[1] then return {0} end
-return {1, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1])}
+_FIELDS = "'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut'"
+# A record as {1, state, fingerprint, owner, payload, ms left, created, updated} or {0}.
+_READ = f"""
+local function read(key, now)
+  local r = redis.call('HMGET', key, {_FIELDS})
+  if not r[1] then return {{0}} end
+  local left = redis.call('PTTL', key)
+  if r[1] == 'in_progress' then left = tonumber(r[5] or 0) - now end
+  return {{1, r[1], r[2], r[3], r[4] or '', left, r[6], r[7]}}
+end
 """
 
-_RENEW = """
+_GET = (
+    _NOW
+    + _READ
+    + """
+return read(KEYS[1], now)
+"""
+)
+
+# KEYS: the scope index. ARGV: the record key prefix. Members whose record expired are
+# dropped from the index as they are found.
+_RECORDS = (
+    _NOW
+    + _READ
+    + """
+local out = {}
+for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local found = read(ARGV[1] .. member, now)
+  if found[1] == 1 then
+    table.insert(found, member)
+    table.insert(out, found)
+  else
+    redis.call('SREM', KEYS[1], member)
+  end
+end
+return out
+"""
+)
+
+_RENEW = (
+    _NOW
+    + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
 if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[1], 'lu', now + ARGV[2], 'ut', now)
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 1
 """
+)
 
-_COMPLETE = """
-local ow = redis.call('HGET', KEYS[1], 'ow')
-if ow and ow ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1])
-return redis.call('PEXPIRE', KEYS[1], ARGV[4])
+# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member.
+_COMPLETE = (
+    _NOW
+    + """
+local r = redis.call('HMGET', KEYS[1], 'ow', 'ct')
+if r[1] and r[1] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1],
+  'ct', r[2] or now, 'ut', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[6])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
+return 1
 """
+)
 
 _RELEASE = """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
-if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
+local r = redis.call('HMGET', KEYS[1], 'st', 'ow', 'pl')
+if r[2] ~= ARGV[1] then return 0 end
+if r[1] == 'in_progress' or (r[1] == 'failed' and r[3] == '') then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
+# KEYS: record. ARGV: new state ('' to delete), payload, result_ms.
+_SETTLE = (
+    _NOW
+    + """
+if redis.call('HGET', KEYS[1], 'st') ~= 'failed' then return 0 end
+if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
+redis.call('HSET', KEYS[1], 'st', ARGV[1], 'pl', ARGV[2], 'ut', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
 
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -100,7 +185,7 @@ return 0
 
 _SHA = {
     s: hashlib.sha1(s.encode()).hexdigest()
-    for s in (_CLAIM, _GET, _RENEW, _COMPLETE, _RELEASE, _UNLOCK)
+    for s in (_CLAIM, _GET, _RECORDS, _RENEW, _COMPLETE, _RELEASE, _SETTLE, _UNLOCK)
 }
 
 
@@ -108,14 +193,28 @@ def _ms(seconds: float) -> int:
     return max(int(seconds * 1000), 1)
 
 
+def _member(key: RecordKey) -> str:
+    """A record's member in its scope's index (and the tail of its Redis key)."""
+    return f"{key.step}:{key.name}"
+
+
+def record_prefix(scope: str) -> str:
+    return f"{KEY_PREFIX}{{{scope}}}:r:"
+
+
 def record_key(key: RecordKey) -> str:
     """The Redis key of a record."""
-    return f"{KEY_PREFIX}{{{key.slot}}}:r:{key.name}"
+    return record_prefix(key.scope) + _member(key)
 
 
 def slot_key(key: RecordKey) -> str:
     """The Redis key that remembers the last name claimed in the record's slot."""
-    return f"{KEY_PREFIX}{{{key.slot}}}:last"
+    return f"{KEY_PREFIX}{{{key.scope}}}:last:{key.step}"
+
+
+def index_key(scope: str) -> str:
+    """The Redis key of a scope's index (a set of members)."""
+    return f"{KEY_PREFIX}{{{scope}}}:idx"
 
 
 class Coalescer:
@@ -249,19 +348,26 @@ class RedisStore:
             raise StoreUnavailable(f"redis store: {exc}") from exc
 
     async def claim(
-        self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float
+        self,
+        key: RecordKey,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        result_ttl: float,
+        *,
+        reexecute_lapsed: bool = False,
     ) -> Claim:
-        keys = [record_key(key), slot_key(key)]
-        reply = await self._script(
-            _CLAIM, keys, key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl)
-        )
+        keys = [record_key(key), slot_key(key), index_key(key.scope)]
+        args = (key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl))
+        reply = await self._script(_CLAIM, keys, *args, int(reexecute_lapsed), _member(key))
         if reply[0] == 1:
             previous = reply[1].decode() if reply[1] else ""
             return Claim(None, previous if previous and previous != key.name else None)
-        return Claim(_record(keys[0], reply[1:]))
+        return Claim(_record(keys[0], reply[1:], key))
 
-    async def renew(self, key: RecordKey, owner: str, lock_ttl: float) -> bool:
-        return bool(await self._script(_RENEW, [record_key(key)], owner, _ms(lock_ttl)))
+    async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
+        args = (owner, _ms(lock_ttl), _ms(result_ttl))
+        return bool(await self._script(_RENEW, [record_key(key)], *args))
 
     async def complete(
         self,
@@ -272,8 +378,9 @@ class RedisStore:
         payload: bytes,
         result_ttl: float,
     ) -> bool:
-        args = (owner, state.value, payload, _ms(result_ttl), fingerprint)
-        return bool(await self._script(_COMPLETE, [record_key(key)], *args))
+        keys = [record_key(key), index_key(key.scope)]
+        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, _member(key))
+        return bool(await self._script(_COMPLETE, keys, *args))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         return bool(await self._script(_RELEASE, [record_key(key)], owner))
@@ -281,7 +388,35 @@ class RedisStore:
     async def get(self, key: RecordKey) -> Record | None:
         name = record_key(key)
         reply = await self._script(_GET, [name])
-        return _record(name, reply[1:]) if reply[0] == 1 else None
+        return _record(name, reply[1:], key) if reply[0] == 1 else None
+
+    async def records(self, scope: str) -> list[Record]:
+        prefix = record_prefix(scope)
+        replies = await self._script(_RECORDS, [index_key(scope)], prefix)
+        found = [_indexed(scope, prefix, reply) for reply in replies]
+        return sorted(found, key=lambda r: (r.created_at, r.key or ("", "")))
+
+    async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
+        """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
+        position, names = await self._command(
+            "SCAN", cursor or "0", "MATCH", f"{KEY_PREFIX}{{*}}:r:*", "COUNT", max(count, 1)
+        )
+        found = []
+        for raw in names:
+            key = _parse_record_key(raw.decode())
+            if key is not None and (record := await self.get(key)) is not None:
+                found.append(record)
+        position = position.decode() if isinstance(position, bytes) else str(position)
+        return ("" if position == "0" else position), found
+
+    async def settle(
+        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+    ) -> bool:
+        args = ("" if state is None else state.value, payload, _ms(result_ttl))
+        return bool(await self._script(_SETTLE, [record_key(key)], *args))
+
+    async def delete(self, key: RecordKey) -> bool:
+        return bool(await self._command("DEL", record_key(key)))
 
     async def _command(self, *command: Any) -> Any:
         try:
@@ -332,9 +467,34 @@ def _translated(exc: ResponseError) -> StoreUnavailable:
     return kind(f"redis store: {message}")
 
 
-def _record(name: str, fields: list[Any]) -> Record:
+def _record(name: str, fields: list[Any], key: RecordKey) -> Record:
     try:
-        state, fp, owner, payload, pttl = fields
-        return Record(State(state.decode()), fp.decode(), owner.decode(), pttl / 1000, payload)
-    except (ValueError, AttributeError) as exc:
+        state, fp, owner, payload, left, created, updated = fields
+        return Record(
+            State(state.decode()),
+            fp.decode(),
+            owner.decode(),
+            max(left, 0) / 1000,
+            payload,
+            key,
+            int(created or 0) / 1000,
+            int(updated or 0) / 1000,
+        )
+    except (ValueError, AttributeError, TypeError) as exc:
         raise StoreError(f"redis store: malformed record at {name}") from exc
+
+
+def _indexed(scope: str, prefix: str, reply: list[Any]) -> Record:
+    step, _, name = reply[-1].decode().partition(":")
+    return _record(prefix + reply[-1].decode(), reply[1:-1], RecordKey(f"{scope}|{step}", name))
+
+
+def _parse_record_key(redis_key: str) -> RecordKey | None:
+    """The RecordKey of ``tp:{<scope>}:r:<step>:<name>`` (None if it is not one)."""
+    if not redis_key.startswith(KEY_PREFIX + "{"):
+        return None
+    scope, sep, rest = redis_key[len(KEY_PREFIX) + 1 :].rpartition("}:r:")
+    step, colon, name = rest.partition(":")
+    if not sep or not colon:
+        return None
+    return RecordKey(f"{scope}|{step}", name)

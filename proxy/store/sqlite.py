@@ -33,12 +33,15 @@ MAX_PAYLOAD_BYTES = 1_000_000_000 - 64 * 1024
 _REFUSALS = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_TOOBIG})
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (
-    slot TEXT NOT NULL, name TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL,
-    owner TEXT NOT NULL, expires_at REAL NOT NULL, payload BLOB NOT NULL DEFAULT x'',
+CREATE TABLE IF NOT EXISTS step_records (
+    slot TEXT NOT NULL, name TEXT NOT NULL, scope TEXT NOT NULL, state TEXT NOT NULL,
+    fingerprint TEXT NOT NULL, owner TEXT NOT NULL, lease_until REAL NOT NULL DEFAULT 0,
+    expires_at REAL NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    payload BLOB NOT NULL DEFAULT x'',
     PRIMARY KEY (slot, name)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS records_expiry ON records (expires_at);
+CREATE INDEX IF NOT EXISTS step_records_expiry ON step_records (expires_at);
+CREATE INDEX IF NOT EXISTS step_records_scope ON step_records (scope, created_at);
 CREATE TABLE IF NOT EXISTS slots (
     slot TEXT PRIMARY KEY, name TEXT NOT NULL, expires_at REAL NOT NULL
 ) WITHOUT ROWID;
@@ -46,6 +49,8 @@ CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY, value BLOB NOT NULL, expires_at REAL NOT NULL
 ) WITHOUT ROWID;
 """
+_COLUMNS = "slot, name, state, fingerprint, owner, lease_until, expires_at, created_at, updated_at"
+_RECORD = f"SELECT {_COLUMNS}, payload FROM step_records"
 
 
 def parse_sqlite_url(url: str) -> tuple[str, str]:
@@ -107,14 +112,20 @@ class SQLiteStore:
         await self._run(self._conn)
 
     async def claim(
-        self, key: RecordKey, fingerprint: str, owner: str, lock_ttl: float, result_ttl: float
+        self,
+        key: RecordKey,
+        fingerprint: str,
+        owner: str,
+        lock_ttl: float,
+        result_ttl: float,
+        *,
+        reexecute_lapsed: bool = False,
     ) -> Claim:
-        return await self._run(
-            self._transaction, _claim, key, fingerprint, owner, lock_ttl, result_ttl
-        )
+        args = (key, fingerprint, owner, lock_ttl, result_ttl, reexecute_lapsed)
+        return await self._run(self._transaction, _claim, *args)
 
-    async def renew(self, key: RecordKey, owner: str, lock_ttl: float) -> bool:
-        return await self._run(self._transaction, _renew, key, owner, lock_ttl)
+    async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
+        return await self._run(self._transaction, _renew, key, owner, lock_ttl, result_ttl)
 
     async def complete(
         self,
@@ -134,6 +145,20 @@ class SQLiteStore:
 
     async def get(self, key: RecordKey) -> Record | None:
         return await self._run(lambda: _select(self._conn(), self._clock(), key))
+
+    async def records(self, scope: str) -> list[Record]:
+        return await self._run(lambda: _records(self._conn(), self._clock(), scope))
+
+    async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
+        return await self._run(lambda: _scan(self._conn(), self._clock(), cursor, count))
+
+    async def settle(
+        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+    ) -> bool:
+        return await self._run(self._transaction, _settle, key, state, payload, result_ttl)
+
+    async def delete(self, key: RecordKey) -> bool:
+        return await self._run(self._transaction, _delete, key)
 
     async def put_value(self, key: str, value: bytes, ttl: float) -> None:
         await self._run(self._transaction, _put_value, key, value, ttl)
@@ -164,16 +189,28 @@ class SQLiteStore:
         self._executor.shutdown(wait=True)
 
 
+def _row(row: tuple[Any, ...], now: float) -> Record:
+    slot, name, state, fp, owner, lease_until, expires_at, created, updated, payload = row
+    status = State(state)
+    left = (lease_until if status is State.IN_PROGRESS else expires_at) - now
+    key = RecordKey(slot, name)
+    return Record(status, fp, owner, max(left, 0.0), bytes(payload), key, created, updated)
+
+
 def _select(db: sqlite3.Connection, now: float, key: RecordKey) -> Record | None:
     row = db.execute(
-        "SELECT state, fingerprint, owner, expires_at, payload FROM records"
-        " WHERE slot = ? AND name = ? AND expires_at > ?",
-        (key.slot, key.name, now),
+        f"{_RECORD} WHERE slot = ? AND name = ? AND expires_at > ?", (key.slot, key.name, now)
     ).fetchone()
-    if row is None:
-        return None
-    state, fp, owner, expires_at, payload = row
-    return Record(State(state), fp, owner, expires_at - now, bytes(payload))
+    return None if row is None else _row(row, now)
+
+
+def _lapsed(db: sqlite3.Connection, now: float, key: RecordKey) -> bool:
+    row = db.execute(
+        "SELECT 1 FROM step_records WHERE slot = ? AND name = ? AND state = 'in_progress'"
+        " AND lease_until <= ? AND expires_at > ?",
+        (key.slot, key.name, now, now),
+    ).fetchone()
+    return row is not None
 
 
 def _claim(
@@ -184,14 +221,33 @@ def _claim(
     owner: str,
     lock_ttl: float,
     result_ttl: float,
+    reexecute_lapsed: bool,
 ) -> Claim:
     existing = _select(db, now, key)
     if existing is not None and existing.owner != owner:
-        return Claim(existing)
+        if not _lapsed(db, now, key):
+            return Claim(existing)
+        if not reexecute_lapsed:
+            db.execute(
+                "UPDATE step_records SET state = 'failed', updated_at = ?"
+                " WHERE slot = ? AND name = ?",
+                (now, key.slot, key.name),
+            )
+            return Claim(_select(db, now, key))
     db.execute(
-        "INSERT OR REPLACE INTO records (slot, name, state, fingerprint, owner, expires_at)"
-        " VALUES (?, ?, 'in_progress', ?, ?, ?)",
-        (key.slot, key.name, fingerprint, owner, now + lock_ttl),
+        f"INSERT OR REPLACE INTO step_records ({_COLUMNS}, scope)"
+        " VALUES (?, ?, 'in_progress', ?, ?, ?, ?, ?, ?, ?)",
+        (
+            key.slot,
+            key.name,
+            fingerprint,
+            owner,
+            now + lock_ttl,
+            now + result_ttl,
+            now,
+            now,
+            key.scope,
+        ),
     )
     last = db.execute(
         "SELECT name FROM slots WHERE slot = ? AND expires_at > ?", (key.slot, now)
@@ -204,19 +260,27 @@ def _claim(
     return Claim(None, previous)
 
 
-def _renew(db: sqlite3.Connection, now: float, key: RecordKey, owner: str, lock_ttl: float) -> bool:
+def _renew(
+    db: sqlite3.Connection,
+    now: float,
+    key: RecordKey,
+    owner: str,
+    lock_ttl: float,
+    result_ttl: float,
+) -> bool:
     cursor = db.execute(
-        "UPDATE records SET expires_at = ? WHERE slot = ? AND name = ? AND owner = ?"
+        "UPDATE step_records SET lease_until = ?, updated_at = ?,"
+        " expires_at = max(expires_at, ?) WHERE slot = ? AND name = ? AND owner = ?"
         " AND state = 'in_progress' AND expires_at > ?",
-        (now + lock_ttl, key.slot, key.name, owner, now),
+        (now + lock_ttl, now, now + result_ttl, key.slot, key.name, owner, now),
     )
     return cursor.rowcount == 1
 
 
 def _release(db: sqlite3.Connection, now: float, key: RecordKey, owner: str) -> bool:
     cursor = db.execute(
-        "DELETE FROM records WHERE slot = ? AND name = ? AND owner = ?"
-        " AND state = 'in_progress' AND expires_at > ?",
+        "DELETE FROM step_records WHERE slot = ? AND name = ? AND owner = ? AND expires_at > ?"
+        " AND (state = 'in_progress' OR (state = 'failed' AND length(payload) = 0))",
         (key.slot, key.name, owner, now),
     )
     return cursor.rowcount == 1
@@ -235,17 +299,75 @@ def _complete(
     existing = _select(db, now, key)
     if existing is not None and existing.owner != owner:
         return False
+    created = existing.created_at if existing is not None else now
     db.execute(
-        "INSERT OR REPLACE INTO records"
-        " (slot, name, state, fingerprint, owner, expires_at, payload)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (key.slot, key.name, state.value, fingerprint, owner, now + result_ttl, payload),
+        f"INSERT OR REPLACE INTO step_records ({_COLUMNS}, scope, payload)"
+        " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?)",
+        [
+            key.slot,
+            key.name,
+            state.value,
+            fingerprint,
+            owner,
+            now + result_ttl,
+            created,
+            now,
+            key.scope,
+            payload,
+        ],
     )
     return True
 
 
+def _records(db: sqlite3.Connection, now: float, scope: str) -> list[Record]:
+    rows = db.execute(
+        f"{_RECORD} WHERE scope = ? AND expires_at > ? ORDER BY created_at, slot, name",
+        (scope, now),
+    ).fetchall()
+    return [_row(row, now) for row in rows]
+
+
+def _scan(db: sqlite3.Connection, now: float, cursor: str, count: int) -> tuple[str, list[Record]]:
+    slot, _, name = cursor.partition("\x00")
+    rows = db.execute(
+        f"{_RECORD} WHERE (slot, name) > (?, ?) ORDER BY slot, name LIMIT ?",
+        (slot, name, max(count, 1)),
+    ).fetchall()
+    found = [_row(row, now) for row in rows if row[6] > now]
+    more = len(rows) == max(count, 1)
+    return (f"{rows[-1][0]}\x00{rows[-1][1]}" if more else ""), found
+
+
+def _settle(
+    db: sqlite3.Connection,
+    now: float,
+    key: RecordKey,
+    state: State | None,
+    payload: bytes,
+    result_ttl: float,
+) -> bool:
+    where = "WHERE slot = ? AND name = ? AND state = 'failed' AND expires_at > ?"
+    if state is None:
+        cursor = db.execute(f"DELETE FROM step_records {where}", (key.slot, key.name, now))
+    else:
+        cursor = db.execute(
+            f"UPDATE step_records SET state = ?, payload = ?, expires_at = ?, updated_at = ?"
+            f" {where}",
+            (state.value, payload, now + result_ttl, now, key.slot, key.name, now),
+        )
+    return cursor.rowcount == 1
+
+
+def _delete(db: sqlite3.Connection, now: float, key: RecordKey) -> bool:
+    cursor = db.execute(
+        "DELETE FROM step_records WHERE slot = ? AND name = ? AND expires_at > ?",
+        (key.slot, key.name, now),
+    )
+    return cursor.rowcount == 1
+
+
 def _sweep(db: sqlite3.Connection, now: float) -> int:
-    count = db.execute("DELETE FROM records WHERE expires_at <= ?", (now,)).rowcount
+    count = db.execute("DELETE FROM step_records WHERE expires_at <= ?", (now,)).rowcount
     db.execute("DELETE FROM slots WHERE expires_at <= ?", (now,))
     db.execute("DELETE FROM kv WHERE expires_at <= ?", (now,))
     return count
