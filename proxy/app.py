@@ -58,10 +58,8 @@ ADMIN_PREFIX = RESERVED_PREFIX + "/"
 SMALL_BODY_BYTES = 64 * 1024
 # How often expired records are deleted from stores that do not expire them themselves.
 SWEEP_INTERVAL_SECONDS = 60.0
-# How often offloaded objects of expired records are looked for, and the margin beyond
-# the longest result_ttl after which an object can have no record left.
+# How often offloaded objects past the expiry in their names are looked for.
 OBJECT_SWEEP_INTERVAL_SECONDS = 600.0
-OBJECT_SWEEP_MARGIN_SECONDS = 3600.0
 # readyz gives up on the store after this long.
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
@@ -142,7 +140,8 @@ class Proxy:
         self.log = logs.get_logger()
         self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
-        self.offload = Offload(config.offload) if config.offload else None
+        ttls = {r.name: r.idempotency.result_ttl for r in config.routes if r.idempotency}
+        self.offload = Offload(config.offload, ttls) if config.offload else None
         self.guards = {
             r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload)
             for r in config.routes
@@ -346,11 +345,11 @@ async def _sweep_forever(store: Store, log: Any) -> None:
             log.info("swept", records=swept)
 
 
-async def _sweep_objects_forever(offload: Offload, older_than: float, log: Any) -> None:
+async def _sweep_objects_forever(offload: Offload, log: Any) -> None:
     while True:
         await asyncio.sleep(OBJECT_SWEEP_INTERVAL_SECONDS)
         try:
-            swept = await offload.sweep(older_than)
+            swept = await offload.sweep()
         except OffloadUnavailable as exc:
             log.warning("object_sweep_failed", error=exc.detail)
             continue
@@ -398,14 +397,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
             asyncio.create_task(_flush_logs_forever()),
         ]
-        if proxy.offload is not None:
-            keep = max(
-                (r.idempotency.result_ttl for r in config.routes if r.idempotency), default=0.0
-            )
-            sweep = _sweep_objects_forever(
-                proxy.offload, keep + OBJECT_SWEEP_MARGIN_SECONDS, proxy.log
-            )
-            chores.append(asyncio.create_task(sweep))
+        if proxy.offload is not None and proxy.offload.sweeps:
+            chores.append(asyncio.create_task(_sweep_objects_forever(proxy.offload, proxy.log)))
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(
