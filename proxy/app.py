@@ -198,7 +198,7 @@ class Proxy:
         check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
-        principal = "" if route.auth is None else await self._principal(request, route)
+        principal, identity = ("", "") if route.auth is None else await self._caller(request, route)
         guard = self.guards.get(route.name)
         if guard is not None and not guard.guards(request.method):
             guard = None
@@ -221,7 +221,7 @@ class Proxy:
 
         def forward() -> Awaitable[UpstreamResponse]:
             if tokened:
-                return self._forward_with_token(request, route, body, principal, once)
+                return self._forward_with_token(request, route, body, identity, once)
             return self._send(request, route, body, at_most_once=once)
 
         if guard is None or op is None:
@@ -232,41 +232,42 @@ class Proxy:
         return response
 
     async def _forward_with_token(
-        self, request: Incoming, route: RouteConfig, body: bytes, principal: str, once: bool
+        self, request: Incoming, route: RouteConfig, body: bytes, identity: str, once: bool
     ) -> UpstreamResponse:
         """Send with the route's downstream token; one retry with a new token on a 401
         (the tool refused the request, so it did not execute it)."""
         assert self.tokens is not None
         subject = bearer_token(request.header(b"authorization"))
-        token = await self.tokens.token(route.name, principal, subject)
+        token = await self.tokens.token(route.name, identity, subject)
         upstream = await self._send(request, route, body, authorization=token, at_most_once=once)
         if upstream.status != 401:
             return upstream
         await upstream.read()  # the tool refused the token: drop it, get another, once
-        self.tokens.drop(route.name, principal, token)
-        token = await self.tokens.token(route.name, principal, subject)
+        self.tokens.drop(route.name, identity, token)
+        token = await self.tokens.token(route.name, identity, subject)
         return await self._send(request, route, body, authorization=token, at_most_once=once)
 
-    async def _principal(self, request: Incoming, route: RouteConfig) -> str:
-        """The caller's principal digest ("" when no token is sent and none is required).
+    async def _caller(self, request: Incoming, route: RouteConfig) -> tuple[str, str]:
+        """The caller's principal and identity digests (both "" when no token is sent and
+        none is required): records are scoped by the first, downstream tokens by the second.
 
         On a route that opted in to refresh tokens, a genuine but expired caller token
         still passes while the proxy holds a refresh token for that caller.
         """
         assert route.auth is not None
         if self.auth is None:
-            return ""
+            return "", ""
         refreshes = self.tokens is not None and self.tokens.refreshes(route.name)
         caller = await self.auth.caller(
             request.header(b"authorization"), route.auth.required, allow_expired=refreshes
         )
         if caller is None:
-            return ""
+            return "", ""
         if caller.expired and not (
-            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.principal)
+            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.identity)
         ):
             raise Unauthorized("the token has expired")
-        return caller.principal
+        return caller.principal, caller.identity
 
     def _send(
         self,
