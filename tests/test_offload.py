@@ -185,6 +185,27 @@ def test_object_deleted_behind_the_proxys_back_is_a_502(
     assert tool.count(key) == 1  # never executed again
 
 
+def test_an_offloaded_body_after_offload_is_removed_is_a_502_never_a_second_run(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """The next deployment drops ``offload``: a record that points at an object is a 502
+    stored-response-unavailable, not a reason to execute again."""
+    (tmp_path / "objects").mkdir()
+    store_url = f"sqlite://{tmp_path}/state.db"
+    offload = {"url": f"file://{tmp_path}/objects", "threshold_bytes": 1000}
+    before = make_proxy(route(tool.url), store=store_url, offload=offload)
+    key = new_key(BODY)
+    assert call(f"{before.url}/tools/big?size=5000", key).status_code == 200
+    before.stop()
+    after = make_proxy(route(tool.url), store=store_url)
+    replay = call(f"{after.url}/tools/big?size=5000", key)
+    assert replay.status_code == 502
+    assert replay.headers["content-type"] == "application/problem+json"
+    assert replay.json()["type"].endswith("stored-response-unavailable")
+    assert "no object store is configured" in replay.json()["detail"]
+    assert tool.count(key) == 1
+
+
 def test_corrupt_large_object_is_cut_short_never_a_wrong_body(
     tool: CountingTool, make_proxy: ProxyFactory, s3: S3
 ) -> None:
