@@ -1,6 +1,9 @@
-"""Work that outlives the request that started it (an upstream call whose caller left).
+"""Work that outlives the request that started it.
 
-The app owns one ``TaskSet``; shutdown waits for it, so in-flight outcomes are recorded.
+Guarded calls run in their request's own task, not here. A ``TaskSet`` holds the
+recordings that go on after their request has answered (an offloaded body streamed to
+the caller while it is spooled and recorded) and the lease renewals. The app owns one;
+shutdown waits for it, so those outcomes are recorded.
 """
 
 from __future__ import annotations

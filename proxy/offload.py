@@ -286,12 +286,3 @@ class Offload:
         except (BaseError, OSError) as exc:
             raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
         return len(stale)
-
-    async def delete(self, ref: ObjectRef) -> None:
-        """Remove an object (gone already is fine)."""
-        try:
-            await obstore.delete_async(self._store, ref.path)
-        except (NotFoundError, FileNotFoundError):
-            return
-        except (BaseError, OSError) as exc:
-            raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
