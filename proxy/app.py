@@ -59,10 +59,8 @@ ADMIN_PREFIX = RESERVED_PREFIX + "/"
 SMALL_BODY_BYTES = 64 * 1024
 # How often expired records are deleted from stores that do not expire them themselves.
 SWEEP_INTERVAL_SECONDS = 60.0
-# How often offloaded objects of expired records are looked for, and the margin beyond
-# the longest result_ttl after which an object can have no record left.
+# How often offloaded objects past the expiry in their names are looked for.
 OBJECT_SWEEP_INTERVAL_SECONDS = 600.0
-OBJECT_SWEEP_MARGIN_SECONDS = 3600.0
 # readyz gives up on the store after this long.
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest a call can take, that shutdown waits for calls in flight.
@@ -146,7 +144,8 @@ class Proxy:
         self.log = logs.get_logger()
         self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
-        self.offload = Offload(config.offload) if config.offload else None
+        ttls = {r.name: r.idempotency.result_ttl for r in config.routes if r.idempotency}
+        self.offload = Offload(config.offload, ttls) if config.offload else None
         self.metrics = Metrics()
         self.guards = {
             r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload, self.metrics)
@@ -203,7 +202,7 @@ class Proxy:
         check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
-        principal = "" if route.auth is None else await self._principal(request, route)
+        principal, identity = ("", "") if route.auth is None else await self._caller(request, route)
         guard = self.guards.get(route.name)
         if guard is not None and not guard.guards(request.method):
             guard = None
@@ -228,7 +227,7 @@ class Proxy:
 
         def forward() -> Awaitable[UpstreamResponse]:
             if tokened:
-                return self._forward_with_token(request, route, body, principal, once)
+                return self._forward_with_token(request, route, body, identity, once)
             return self._send(request, route, body, at_most_once=once)
 
         if guard is None or op is None:
@@ -239,44 +238,45 @@ class Proxy:
         return response
 
     async def _forward_with_token(
-        self, request: Incoming, route: RouteConfig, body: bytes, principal: str, once: bool
+        self, request: Incoming, route: RouteConfig, body: bytes, identity: str, once: bool
     ) -> UpstreamResponse:
         """Send with the route's downstream token. On a 401 the token is dropped (the next
         call gets a new one); with ``token.retry_on_401`` this call is sent once more with
         a new token (which takes a 401 to mean that the tool did nothing)."""
         assert self.tokens is not None and route.token is not None
         subject = bearer_token(request.header(b"authorization"))
-        token = await self.tokens.token(route.name, principal, subject)
+        token = await self.tokens.token(route.name, identity, subject)
         upstream = await self._send(request, route, body, authorization=token, at_most_once=once)
         if upstream.status != 401:
             return upstream
-        self.tokens.drop(route.name, principal, token)
+        self.tokens.drop(route.name, identity, token)
         if not route.token.retry_on_401:
             return upstream  # the tool's answer, recorded like any other
         await upstream.read()
-        token = await self.tokens.token(route.name, principal, subject)
+        token = await self.tokens.token(route.name, identity, subject)
         return await self._send(request, route, body, authorization=token, at_most_once=once)
 
-    async def _principal(self, request: Incoming, route: RouteConfig) -> str:
-        """The caller's principal digest ("" when no token is sent and none is required).
+    async def _caller(self, request: Incoming, route: RouteConfig) -> tuple[str, str]:
+        """The caller's principal and identity digests (both "" when no token is sent and
+        none is required): records are scoped by the first, downstream tokens by the second.
 
         On a route that opted in to refresh tokens, a genuine but expired caller token
         still passes while the proxy holds a refresh token for that caller.
         """
         assert route.auth is not None
         if self.auth is None:
-            return ""
+            return "", ""
         refreshes = self.tokens is not None and self.tokens.refreshes(route.name)
         caller = await self.auth.caller(
             request.header(b"authorization"), route.auth.required, allow_expired=refreshes
         )
         if caller is None:
-            return ""
+            return "", ""
         if caller.expired and not (
-            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.principal)
+            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.identity)
         ):
             raise Unauthorized("the token has expired")
-        return caller.principal
+        return caller.principal, caller.identity
 
     def _send(
         self,
@@ -355,11 +355,11 @@ async def _sweep_forever(store: Store, log: Any) -> None:
             log.info("swept", records=swept)
 
 
-async def _sweep_objects_forever(offload: Offload, older_than: float, log: Any) -> None:
+async def _sweep_objects_forever(offload: Offload, log: Any) -> None:
     while True:
         await asyncio.sleep(OBJECT_SWEEP_INTERVAL_SECONDS)
         try:
-            swept = await offload.sweep(older_than)
+            swept = await offload.sweep()
         except OffloadUnavailable as exc:
             log.warning("object_sweep_failed", error=exc.detail)
             continue
@@ -421,14 +421,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
             asyncio.create_task(_flush_logs_forever()),
         ]
-        if proxy.offload is not None:
-            keep = max(
-                (r.idempotency.result_ttl for r in config.routes if r.idempotency), default=0.0
-            )
-            sweep = _sweep_objects_forever(
-                proxy.offload, keep + OBJECT_SWEEP_MARGIN_SECONDS, proxy.log
-            )
-            chores.append(asyncio.create_task(sweep))
+        if proxy.offload is not None and proxy.offload.sweeps:
+            chores.append(asyncio.create_task(_sweep_objects_forever(proxy.offload, proxy.log)))
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(

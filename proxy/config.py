@@ -245,6 +245,7 @@ class OffloadConfig(_Strict):
     allow_http: bool = False
     presign: bool = False
     presign_ttl: Duration = DEFAULT_PRESIGN_TTL
+    sweep: bool = True
 
     @field_validator("url")
     @classmethod

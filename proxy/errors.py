@@ -16,19 +16,19 @@ talks to the foreign library, with ``raise ... from exc``.
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
     ├── RouteNotFound                       404
     ├── RequestInProgress                   409
-    ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
+    ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── RequestTooLarge                     413
     ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
-    │   └── KeyReusedWithOtherBody          422  opaque key sent again with another body
+    │   └── KeyReusedWithOtherBody          422  a key sent again with another request
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
-    ├── OutcomeUnknown                      502/504  the request was sent, the answer was lost
+    ├── OutcomeUnknown                      502/504  the request may have run, no answer
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
-    ├── OffloadUnavailable                  503  the object store refused a body (internal)
+    ├── OffloadUnavailable                  503  the object store failed (internal)
     ├── StoreUnavailable                    503  the store cannot be reached
     │   └── StoreRefused                    503  it answered, refusing the write (no retry helps)
-    ├── IdentityProviderUnavailable         503  the issuer's signing keys cannot be fetched
+    ├── IdentityProviderUnavailable         503  no signing keys or downstream token
     └── StoreError                          500  the store answered something it should not
 
     ConfigError                             not an HTTP error: bad configuration, for the CLI
@@ -122,7 +122,8 @@ class ReauthenticationRequired(Unauthorized):
 
 
 class IdentityProviderUnavailable(ProxyError):
-    """The issuer's signing keys cannot be fetched: nothing is forwarded."""
+    """The issuer's signing keys, or a downstream token from the token endpoint, cannot
+    be fetched: nothing is forwarded."""
 
     status = 503
     slug = "identity-provider-unavailable"
@@ -176,7 +177,7 @@ class CallerLeft(ProxyError):
 
 
 class UnprocessableKey(ProxyError):
-    """The key is well-formed but does not belong to this body."""
+    """The key is well-formed but does not belong to this request."""
 
     status = 422
     slug = "idempotency-key-mismatch"
@@ -207,7 +208,8 @@ class UpstreamUnreachable(ProxyError):
 
 
 class OutcomeUnknown(ProxyError):
-    """The request was sent but its answer was lost (timeout or broken connection).
+    """The request may have been executed but its answer is lost (a timeout, a broken
+    connection, or the proxy's own failure or shutdown while the call was in flight).
 
     The key is recorded FAILED and retries get this problem replayed, never a second
     execution, until result_ttl ends the record.
@@ -233,7 +235,8 @@ class StoredResponseUnavailable(ProxyError):
 
 
 class OffloadUnavailable(ProxyError):
-    """The object store could not take a large body (the proxy then stores it inline)."""
+    """The object store could not take a large body (the proxy then stores it inline), or
+    could not be swept; never seen by a caller."""
 
     status = 503
     slug = "offload-unavailable"

@@ -1,8 +1,8 @@
 """The upstream client: one pooled aiohttp session, header filtering, error translation.
 
-aiohttp is on the hot path because it was measured to be about ten times faster than
-httpx under concurrency on this kind of machine (see docs/benchmarks.md). This is the
-only module that imports aiohttp: swap the client here.
+aiohttp is on the hot path because it is much faster than httpx under concurrency (the
+measurement is in docs/benchmarks.md, "Upstream client"). This is the only module that
+imports aiohttp: swap the client here.
 
 aiohttp errors become ``UpstreamUnreachable`` when nothing can have reached the tool (no
 connection could be made) and ``OutcomeUnknown`` otherwise (the request may have run).
@@ -150,10 +150,6 @@ class UpstreamResponse:
                     yield chunk
         finally:
             self._response.release()
-
-    def close(self) -> None:
-        """Drop the connection (the body will not be read)."""
-        self._response.close()
 
 
 @contextmanager

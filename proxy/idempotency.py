@@ -483,7 +483,7 @@ class Guard:
             self._warn_if_large(size)
             return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         try:
-            ref = await self.offload.put(self.route.name, body)
+            ref = await self.offload.put(self.route.name, body, keep_for=self.policy.result_ttl)
         except OffloadUnavailable as exc:
             self.log.warning(
                 "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail

@@ -6,27 +6,33 @@ obstore gives one async API over S3, GCS, Azure, local files and memory; credent
 region and endpoint come from the usual environment variables (AWS_*, GOOGLE_*,
 AZURE_*) or from ``offload`` in the configuration.
 
-Objects are written create-only under ``<prefix>/<route>/<random>``: unguessable, and
-never overwritten.
+Objects are written create-only under ``<prefix>/<route>/<expiry>-<random>``: unguessable,
+never overwritten, and named with the unix second after which no record can point at
+them any more (the route's result_ttl when written, plus ``EXPIRY_MARGIN_SECONDS``). The
+sweep reads that expiry from the name, never the store's last_modified, and leaves every
+name that does not follow the scheme alone (older versions, other users of the prefix).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import re
 import secrets
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import IO, TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import BaseError, NotFoundError
 from obstore.store import AzureStore, GCSStore, S3Store, from_url
 
-from proxy.config import OffloadConfig
+from proxy.config import DEFAULT_RESULT_TTL, OffloadConfig
 
 if TYPE_CHECKING:
     from obstore import GetResult
@@ -36,6 +42,11 @@ from proxy.errors import OffloadUnavailable, StoredResponseUnavailable
 # larger ones stream in chunks of STREAM_CHUNK_BYTES (memory stays bounded per replay).
 VERIFY_WHOLE_BYTES = 1024 * 1024
 STREAM_CHUNK_BYTES = 256 * 1024
+# Added to the result_ttl in an object's expiry: the record is written after the object,
+# and the clocks of the writer and of a later sweeper may differ.
+EXPIRY_MARGIN_SECONDS = 3600.0
+# ``<route>/<expiry>-<32 hex digits>``: the only names the sweep ever deletes.
+_SWEEPABLE = re.compile(r"[A-Za-z0-9._-]{1,64}/(?P<expiry>[0-9]{1,12})-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,14 +164,32 @@ class Spool:
             self._file.close()
 
 
-class Offload:
-    """Puts, gets and deletes offloaded bodies."""
+def expiry_of(path: str) -> int | None:
+    """The expiry (unix seconds) in an object's name; None for names of another scheme."""
+    found = _SWEEPABLE.fullmatch(path)
+    return None if found is None else int(found["expiry"])
 
-    def __init__(self, config: OffloadConfig) -> None:
+
+class Offload:
+    """Puts and gets offloaded bodies, and sweeps the expired ones.
+
+    ``result_ttls`` maps each route to its result_ttl: how long a ``put`` without
+    ``keep_for`` keeps its object (the longest of them for a route not in it).
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        result_ttls: Mapping[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.url = config.url
         self.threshold = config.threshold_bytes
         self.presign = config.presign
         self.presign_ttl = config.presign_ttl
+        self.sweeps = config.sweep
+        self._result_ttls = dict(result_ttls or {})
+        self._clock = clock
         self._store = from_url(config.url, **_store_options(config))
 
     async def presigned(self, ref: ObjectRef) -> str | None:
@@ -179,9 +208,19 @@ class Offload:
         """True if a body of ``size`` bytes goes to object storage."""
         return size > self.threshold
 
-    async def put(self, route: str, body: bytes | Spool) -> ObjectRef:
-        """Write ``body`` create-only under a new unguessable name (multipart when large)."""
-        path = f"{route}/{secrets.token_hex(16)}"
+    def _expiry(self, route: str, keep_for: float | None) -> int:
+        """The unix second after which no record of ``route`` written now can remain."""
+        if keep_for is None:
+            longest = max(self._result_ttls.values(), default=DEFAULT_RESULT_TTL)
+            keep_for = self._result_ttls.get(route, longest)
+        return math.ceil(self._clock() + keep_for + EXPIRY_MARGIN_SECONDS)
+
+    async def put(
+        self, route: str, body: bytes | Spool, *, keep_for: float | None = None
+    ) -> ObjectRef:
+        """Write ``body`` create-only under a new unguessable name (multipart when large),
+        kept ``keep_for`` seconds (the record's result_ttl; by default the route's)."""
+        path = f"{route}/{self._expiry(route, keep_for)}-{secrets.token_hex(16)}"
         if isinstance(body, Spool):
             data: bytes | IO[bytes] = body.source()
             size, digest = body.size, body.sha256
@@ -228,28 +267,22 @@ class Offload:
             raise _mismatch(ref)
         yield held
 
-    async def sweep(self, older_than: float) -> int:
-        """Delete objects last written more than ``older_than`` seconds ago; return how many.
+    async def sweep(self) -> int:
+        """Delete the objects whose expiry has passed; return how many.
 
-        Every record that points at such an object has expired (``older_than`` is the
-        longest result_ttl plus a margin), so nothing can replay it any more.
+        The expiry is read from each name (written with it); objects named otherwise are
+        never deleted, whatever their age.
         """
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
+        now = self._clock()
         stale: list[str] = []
         try:
             async for chunk in obstore.list(self._store, chunk_size=1000):
-                stale.extend(meta["path"] for meta in chunk if meta["last_modified"] < cutoff)
+                for meta in chunk:
+                    expiry = expiry_of(meta["path"])
+                    if expiry is not None and expiry < now:
+                        stale.append(meta["path"])
             if stale:
                 await obstore.delete_async(self._store, stale)
         except (BaseError, OSError) as exc:
             raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc
         return len(stale)
-
-    async def delete(self, ref: ObjectRef) -> None:
-        """Remove an object (gone already is fine)."""
-        try:
-            await obstore.delete_async(self._store, ref.path)
-        except (NotFoundError, FileNotFoundError):
-            return
-        except (BaseError, OSError) as exc:
-            raise OffloadUnavailable(f"object store {self.url}: {exc}") from exc

@@ -81,8 +81,9 @@ def serve(
     """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first.
 
     After ``graceful_seconds`` uvicorn stops waiting for requests (a response still
-    streaming to a caller that stopped reading, say) and cancels them; the calls
-    themselves have ended by then (each within its route's timeout).
+    streaming to a caller that stopped reading, say) and cancels them; a guarded call
+    still in flight then (a 401 retry, a slow token endpoint) is cancelled too, and
+    recorded FAILED (outcome unknown), never left to run again.
     """
     if config_path:
         os.environ[ENV_CONFIG] = os.path.abspath(config_path)

@@ -94,6 +94,8 @@ class CountingTool:
         self.url = ""
         self.reject_tokens: set[str] = set()
         self.executions: Counter[str] = Counter()
+        self.arrived: Counter[str] = Counter()
+        """Requests per key that reached the tool, counted before any ``delay``."""
         self.requests: list[dict[str, Any]] = []
         self.app = Starlette(
             routes=[
@@ -117,8 +119,9 @@ class CountingTool:
         query = request.query_params
         if request.headers.get("authorization", "").removeprefix("Bearer ") in self.reject_tokens:
             return Response(b'{"error":"invalid_token"}', 401, media_type="application/json")
-        await asyncio.sleep(float(query.get("delay", 0)))
         key = request.headers.get("idempotency-key") or request.url.path
+        self.arrived[key] += 1
+        await asyncio.sleep(float(query.get("delay", 0)))
         self.executions[key] += 1
         self.requests.append(
             {

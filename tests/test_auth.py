@@ -55,6 +55,24 @@ def test_valid_tokens_pass_and_records_are_scoped_by_principal(
     assert tool.count(key) == 2
 
 
+def test_opaque_keys_are_scoped_by_principal(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    """One opaque key from two principals is two operations; from one, a replay."""
+    spec = route(tool.url, auth={"required": True}, key="opaque")
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    key = "9b2e1c4e-1d7f-4a51-9a3c-2f0b8c6d7e10"
+    alice = call(f"{proxy.url}/tools/db", idp.token("alice"), key)
+    bob = call(f"{proxy.url}/tools/db", idp.token("bob"), key)
+    alice_again = call(f"{proxy.url}/tools/db", idp.token("alice"), key)
+    assert alice.status_code == bob.status_code == alice_again.status_code == 200
+    assert "idempotent-replayed" not in bob.headers  # executed for bob too
+    assert (alice.json()["execution"], bob.json()["execution"]) == (1, 2)
+    assert alice_again.headers["idempotent-replayed"] == "true"
+    assert alice_again.json() == alice.json()  # alice's own answer, not bob's
+    assert tool.count(key) == 2
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

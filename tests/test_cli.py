@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from proxy.keys import composite_key
 from tests.servers import ROOT, free_port
 
 
-def cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, stdin: bytes = b"", env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "proxy.cli", *args],
         input=stdin.decode(),
@@ -21,8 +24,32 @@ def cli(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
         cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin"},
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
     )
+
+
+EXAMPLES = sorted((ROOT / "config").glob("*.yaml"))
+# What the examples in config/ read from the environment.
+EXAMPLE_ENV = {
+    "TOOL_PROXY_CLIENT_SECRET": "example-client-secret",
+    "TOOL_PROXY_TOKEN_CACHE_KEY": "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+}
+
+
+def test_config_holds_the_example_deployments() -> None:
+    assert {p.stem for p in EXAMPLES} >= {
+        "standalone-sqlite",
+        "sidecar",
+        "redis-offload-s3",
+        "auth-token-exchange",
+    }
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_configuration_passes_check_config(example: Path) -> None:
+    result = cli("check-config", str(example), env=EXAMPLE_ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: ")
 
 
 def write(tmp_path: Path, config: object) -> str:

@@ -218,3 +218,54 @@ def test_sigterm_is_not_held_up_forever_by_a_caller_that_stopped_reading(
         took = time.monotonic() - started
     assert code in (0, -signal.SIGTERM)
     assert took < 15
+
+
+def post(url: str, key: str) -> httpx.Response:
+    return httpx.post(url, json=BODY, headers={"Idempotency-Key": key}, timeout=30)
+
+
+@pytest.mark.parametrize("shared", ["sqlite", "redis"])
+def test_a_lease_taken_over_by_another_process_keeps_the_second_outcome(
+    tool: CountingTool, tmp_path: Path, request: pytest.FixtureRequest, shared: str
+) -> None:
+    """Two proxy processes share one store. The first is frozen (SIGSTOP) mid-call until its
+    lease lapses; the second claims the key and executes. The first, thawed, gets its
+    answer late: it is refused by the owner fence, and the second's outcome is the one
+    replayed."""
+    store = (
+        f"sqlite://{tmp_path}/state.db"
+        if shared == "sqlite"
+        else request.getfixturevalue("redis_url")
+    )
+    config = {"store": {"url": store}, "routes": [route(tool.url, lock_ttl="1s")]}
+    first, second = (ProxyProcess(config, tmp_path).start() for _ in range(2))
+    key = new_key(BODY)
+    url = "/tools/a?delay=2"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            late = pool.submit(post, f"{first.url}{url}", key)
+            wait_for(lambda: tool.arrived[key] == 1, what="the first call at the tool")
+            assert first.process is not None
+            first.process.send_signal(signal.SIGSTOP)  # no renewals: the lease lapses in 1 s
+            time.sleep(1.5)
+            taken = pool.submit(post, f"{second.url}{url}", key)
+            wait_for(lambda: tool.arrived[key] == 2, what="the second call at the tool")
+            first.process.send_signal(signal.SIGCONT)
+            late_response, taken_response = late.result(), taken.result()
+        assert late_response.status_code == taken_response.status_code == 200
+        assert late_response.json()["execution"] == 1  # its caller still gets its answer
+        assert taken_response.json()["execution"] == 2
+        for proxy in (first, second):
+            replay = post(f"{proxy.url}{url}", key)
+            assert replay.headers["idempotent-replayed"] == "true"
+            assert replay.json()["execution"] == 2  # the late outcome did not overwrite it
+        assert tool.count(key) == 2
+        wait_for(
+            lambda: "lease_lost_before_recording" in {e["event"] for e in first.events()},
+            what="the first process to report its refused outcome",
+        )
+    finally:
+        for proxy in (first, second):
+            if proxy.process is not None:
+                proxy.process.send_signal(signal.SIGCONT)
+                proxy.stop()

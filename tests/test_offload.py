@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterator
+import re
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import httpx
+import obstore
 import pytest
 from moto.server import ThreadedMotoServer
+from obstore.store import from_url
 
+from proxy.config import OffloadConfig, parse_config
+from proxy.offload import EXPIRY_MARGIN_SECONDS, Offload, expiry_of
 from proxy.store import RecordKey, make_store
 from tests.conftest import ProxyFactory, new_key, route
 from tests.servers import CountingTool, free_port
@@ -134,7 +140,10 @@ def test_s3_replays_byte_for_byte(
     if size > 1024:
         assert len(payload) < 1024  # only the pointer is in the store
         [object_key] = s3.keys()
-        assert object_key.startswith("responses/tool/")
+        assert re.fullmatch(r"responses/tool/[0-9]{10}-[0-9a-f]{32}", object_key)
+        assert expiry_of(object_key.removeprefix("responses/")) == pytest.approx(
+            time.time() + 3600 + EXPIRY_MARGIN_SECONDS, abs=60
+        )  # the route's result_ttl (1 h) plus the margin
         assert hashlib.sha256(expected(size)).hexdigest().encode() in payload
         assert (
             f"s3://{BUCKET}/responses/{object_key.removeprefix('responses/')}".encode() in payload
@@ -174,6 +183,27 @@ def test_object_deleted_behind_the_proxys_back_is_a_502(
     assert replay.headers["content-type"] == "application/problem+json"
     assert replay.json()["type"].endswith("stored-response-unavailable")
     assert tool.count(key) == 1  # never executed again
+
+
+def test_an_offloaded_body_after_offload_is_removed_is_a_502_never_a_second_run(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """The next deployment drops ``offload``: a record that points at an object is a 502
+    stored-response-unavailable, not a reason to execute again."""
+    (tmp_path / "objects").mkdir()
+    store_url = f"sqlite://{tmp_path}/state.db"
+    offload = {"url": f"file://{tmp_path}/objects", "threshold_bytes": 1000}
+    before = make_proxy(route(tool.url), store=store_url, offload=offload)
+    key = new_key(BODY)
+    assert call(f"{before.url}/tools/big?size=5000", key).status_code == 200
+    before.stop()
+    after = make_proxy(route(tool.url), store=store_url)
+    replay = call(f"{after.url}/tools/big?size=5000", key)
+    assert replay.status_code == 502
+    assert replay.headers["content-type"] == "application/problem+json"
+    assert replay.json()["type"].endswith("stored-response-unavailable")
+    assert "no object store is configured" in replay.json()["detail"]
+    assert tool.count(key) == 1
 
 
 def test_corrupt_large_object_is_cut_short_never_a_wrong_body(
@@ -253,29 +283,106 @@ def test_response_above_max_stored_bytes_executes_once_and_is_not_replayed(
     assert tool.count(key) == 1
 
 
-def test_sweep_removes_objects_older_than_every_record(tmp_path: Path, s3: S3) -> None:
-    import os
-    import time
+class Clock:
+    """A wall clock the test moves by hand."""
 
-    from proxy.config import OffloadConfig
-    from proxy.offload import Offload
+    def __init__(self, now: float) -> None:
+        self.now = now
 
-    async def run(offload: Offload) -> tuple[int, int]:
-        old = await offload.put("tool", b"old")
-        await offload.put("tool", b"new")
-        if offload.url.startswith("file://"):
-            path = tmp_path / "objects" / old.path
-            os.utime(path, (time.time() - 7200, time.time() - 7200))
-            return await offload.sweep(3600), await offload.sweep(3600)
-        return await offload.sweep(3600), await offload.sweep(0)
+    def __call__(self) -> float:
+        return self.now
 
-    (tmp_path / "objects").mkdir()
-    local = Offload(OffloadConfig(url=f"file://{tmp_path}/objects"))
-    assert asyncio.run(run(local)) == (1, 0)
-    assert [p.name for p in (tmp_path / "objects" / "tool").iterdir()] != []
-    remote = Offload(OffloadConfig(**s3_offload(s3)))
-    assert asyncio.run(run(remote)) == (0, 2)
-    assert s3.keys() == []
+
+def sweep_offload(request: pytest.FixtureRequest, tmp_path: Path, backend: str) -> dict[str, Any]:
+    """The offload config of ``backend``: a directory, or moto's S3."""
+    if backend == "file":
+        (tmp_path / "objects").mkdir()
+        return {"url": f"file://{tmp_path}/objects"}
+    return s3_offload(request.getfixturevalue("s3"))
+
+
+async def write_foreign(config: dict[str, Any], path: str) -> None:
+    """An object the proxy did not write with an expiry: another deployment's, or an
+    older version's (``<route>/<32 hex digits>``)."""
+    options: dict[str, Any] = {}
+    if "endpoint_url" in config:
+        options = {
+            "config": {"endpoint": config["endpoint_url"], "region": config["region"]},
+            "client_options": {"allow_http": True},
+        }
+    await obstore.put_async(from_url(config["url"], **options), path, b"foreign")
+
+
+async def names(offload: Offload) -> list[str]:
+    found = [m["path"] async for chunk in obstore.list(offload._store) for m in chunk]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_sweep_deletes_only_expired_objects_named_with_an_expiry(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
+    config = sweep_offload(request, tmp_path, backend)
+    clock = Clock(2_000_000_000.0)
+    offload = Offload(OffloadConfig(**config), {"tool": 600.0}, clock=clock)
+
+    foreign = sorted([f"tool/{'a' * 32}", "other-deployment/report.json"])
+
+    async def run() -> tuple[list[str], list[int]]:
+        live = await offload.put("tool", b"live")  # the route's result_ttl: 600 s
+        expiring = await offload.put("tool", b"soon", keep_for=60.0)
+        for name in foreign:
+            await write_foreign(config, name)
+        assert expiry_of(live.path) == 2_000_000_000 + 600 + EXPIRY_MARGIN_SECONDS
+        assert expiry_of(expiring.path) == 2_000_000_000 + 60 + EXPIRY_MARGIN_SECONDS
+        clock.now += 60 + EXPIRY_MARGIN_SECONDS + 1  # past the second one's expiry only
+        swept = [await offload.sweep()]
+        assert await names(offload) == sorted([live.path, *foreign])
+        clock.now += 10 * 365 * 86400.0  # years later: every expiry has passed
+        swept.append(await offload.sweep())
+        return await names(offload), swept
+
+    assert asyncio.run(run()) == (foreign, [1, 1])
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_lowering_result_ttl_does_not_sweep_bodies_recorded_before(
+    request: pytest.FixtureRequest, tmp_path: Path, backend: str
+) -> None:
+    """Recorded with result_ttl 24 h; the next deployment says 1 s, and sweeps two hours
+    later: the record still lives, so its body does too."""
+    config = OffloadConfig(**sweep_offload(request, tmp_path, backend))
+    clock = Clock(time.time())
+    before = Offload(config, {"tool": 86400.0}, clock=clock)
+    after = Offload(config, {"tool": 1.0}, clock=clock)
+
+    async def run() -> tuple[int, bytes | AsyncIterator[bytes]]:
+        ref = await before.put("tool", b"recorded yesterday")
+        clock.now += 2 * 3600.0
+        return await after.sweep(), await after.get(ref)
+
+    assert asyncio.run(run()) == (0, b"recorded yesterday")
+
+
+def test_offload_sweep_false_leaves_the_objects_alone() -> None:
+    config = parse_config(
+        {"routes": [route("http://127.0.0.1:9")], "offload": {"url": "memory://", "sweep": False}},
+        env={},
+    )
+    assert config.offload is not None and not Offload(config.offload).sweeps
+    assert Offload(OffloadConfig(url="memory://")).sweeps
+
+
+def test_expiry_is_read_only_from_names_of_the_scheme() -> None:
+    assert expiry_of(f"tool/1700000000-{'0' * 32}") == 1700000000
+    for name in (
+        f"tool/{'0' * 32}",  # written before names carried an expiry
+        f"tool/1700000000-{'0' * 31}",
+        f"a/b/1700000000-{'0' * 32}",
+        f"tool/x1700000000-{'0' * 32}",
+        "1700000000-" + "0" * 32,
+    ):
+        assert expiry_of(name) is None, name
 
 
 def test_offloaded_response_streams_to_the_caller_while_it_is_recorded(

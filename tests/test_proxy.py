@@ -76,8 +76,7 @@ def test_duplicate_in_flight_gets_409_with_retry_after(
                 json=BODY,
                 headers={"Idempotency-Key": key},
             )
-            wait_for(lambda: tool.total == 0 and len(tool.requests) == 0, what="start")
-            time.sleep(0.3)
+            wait_for(lambda: tool.arrived[key] == 1, what="the first call at the tool")
             duplicate = client.post(
                 f"{proxy.url}/tools/slow?delay=1", json=BODY, headers={"Idempotency-Key": key}
             )
@@ -86,6 +85,29 @@ def test_duplicate_in_flight_gets_409_with_retry_after(
             assert duplicate.headers["retry-after"] == "3"
             assert first.result().status_code == 200
     assert tool.count(key) == 1
+    assert tool.arrived[key] == 1  # the duplicate never reached the tool
+
+
+def test_a_duplicate_waiting_on_a_released_call_executes_it_itself(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    """The first call ends with a status in release_on_status (503): the key is free, so
+    the duplicate held by conflict_wait claims it and executes (no 409, no replay)."""
+    import concurrent.futures
+
+    proxy = make_proxy(route(tool.url, conflict_wait="5s"))
+    key = new_key(BODY)
+    url = f"{proxy.url}/tools/slow?delay=1&status=503"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(post, url, BODY, key)
+        wait_for(lambda: tool.arrived[key] == 1, what="the first call at the tool")
+        assert not first.done()  # the duplicate comes while the first runs (1 s)
+        duplicate = pool.submit(post, url, BODY, key)
+        first_response, second = first.result(), duplicate.result()
+    assert first_response.status_code == second.status_code == 503
+    assert "idempotent-replayed" not in second.headers
+    assert (first_response.json()["execution"], second.json()["execution"]) == (1, 2)
+    assert tool.count(key) == 2
 
 
 def test_conflict_wait_turns_a_duplicate_into_a_replay(

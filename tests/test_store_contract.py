@@ -1,10 +1,15 @@
-"""One contract, every store: memory, SQLite and a real redis-server."""
+"""One contract, every store: memory, SQLite and a real redis-server.
+
+Expiry is tested by moving time on: memory and SQLite take a clock, which ``later``
+fast-forwards; Redis expires keys by its own clock, so there ``later`` sleeps for real
+(the TTLs are a few hundred milliseconds).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +18,7 @@ import redis
 
 from proxy.errors import StoreUnavailable
 from proxy.store import RecordKey, State, Store, make_store
+from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SQLiteStore
 from tests.servers import RedisServer, free_port
 
@@ -28,12 +34,62 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+Later = Callable[[float], Awaitable[None]]
+"""Let ``seconds`` pass for the store under test."""
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-async def store(store_url: str) -> AsyncIterator[Store]:
-    opened = make_store(store_url)
+def clock() -> Clock:
+    return Clock()
+
+
+def clocked_store(url: str, clock: Clock) -> Store:
+    """The store ``url`` names, on ``clock`` where it takes one (Redis does not)."""
+    if url.startswith("memory://"):
+        return MemoryStore(clock)
+    if url.startswith("sqlite://"):
+        return SQLiteStore(url, clock)
+    return make_store(url)
+
+
+@pytest.fixture
+async def store(store_url: str, clock: Clock) -> AsyncIterator[Store]:
+    opened = clocked_store(store_url, clock)
     await opened.open()
     yield opened
     await opened.close()
+
+
+@pytest.fixture
+def later(store_url: str, clock: Clock) -> Later:
+    async def fast_forward(seconds: float) -> None:
+        if store_url.startswith("redis"):
+            await asyncio.sleep(seconds)
+        else:
+            clock.now += seconds
+
+    return fast_forward
+
+
+def gone(store: Store, key: RecordKey) -> bool:
+    """True if no row of ``key`` is left, looking under the store's own reads (which
+    hide, and in memory drop, expired records)."""
+    if isinstance(store, MemoryStore):
+        return key not in store._records
+    assert isinstance(store, SQLiteStore)
+    with sqlite3.connect(store.path) as db:
+        query = "SELECT count(*) FROM records WHERE slot = ? AND name = ?"
+        return bool(db.execute(query, key).fetchone()[0] == 0)
 
 
 async def test_first_claim_wins(store: Store) -> None:
@@ -108,9 +164,9 @@ async def test_a_completed_record_cannot_be_released(store: Store) -> None:
     assert (await store.get(KEY)) is not None
 
 
-async def test_lease_expires_and_the_old_owner_is_fenced_off(store: Store) -> None:
+async def test_lease_expires_and_the_old_owner_is_fenced_off(store: Store, later: Later) -> None:
     await store.claim(KEY, "fp", "a", 0.2, RESULT)
-    await asyncio.sleep(0.35)
+    await later(0.35)
     assert await store.get(KEY) is None
     assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
     assert not await store.complete(KEY, "a", "fp", State.COMPLETED, b"stale", RESULT)
@@ -120,9 +176,9 @@ async def test_lease_expires_and_the_old_owner_is_fenced_off(store: Store) -> No
     assert record is not None and record.payload == b"fresh"
 
 
-async def test_a_late_outcome_is_kept_if_nobody_took_over(store: Store) -> None:
+async def test_a_late_outcome_is_kept_if_nobody_took_over(store: Store, later: Later) -> None:
     await store.claim(KEY, "fp", "a", 0.2, RESULT)
-    await asyncio.sleep(0.35)
+    await later(0.35)
     assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"late", RESULT)
     found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
     assert found.record is not None
@@ -133,28 +189,41 @@ async def test_a_late_outcome_is_kept_if_nobody_took_over(store: Store) -> None:
     )
 
 
-async def test_renewal_keeps_the_lease(store: Store) -> None:
+async def test_renewal_keeps_the_lease(store: Store, later: Later) -> None:
     await store.claim(KEY, "fp", "a", 0.3, RESULT)
     for _ in range(3):
-        await asyncio.sleep(0.15)
+        await later(0.15)
         assert await store.renew(KEY, "a", 0.3)
-    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed  # 0.45 s > 0.3 s
+    await later(0.45)  # no renewal now: the lease lapses
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
 
 
-async def test_results_expire(store: Store) -> None:
+async def test_results_expire(store: Store, later: Later) -> None:
     await store.claim(KEY, "fp", "a", 0.2, 0.3)
     await store.complete(KEY, "a", "fp", State.COMPLETED, b"x", 0.3)
-    await asyncio.sleep(0.45)
+    await later(0.2)  # past the lease, within result_ttl
+    found = await store.get(KEY)
+    assert found is not None and found.state is State.COMPLETED
+    await later(0.25)
     assert await store.get(KEY) is None
     assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
 
 
-async def test_sweep_removes_expired_records(store: Store) -> None:
+async def test_sweep_removes_expired_records(store: Store, later: Later) -> None:
+    live = RecordKey("live", "n")
     await store.claim(KEY, "fp", "a", 0.1, 0.1)
-    await asyncio.sleep(0.2)
+    await store.claim(live, "fp", "a", LOCK, RESULT)
+    await later(0.2)
     swept = await store.sweep()
-    assert swept in (0, 1)  # Redis expires keys itself and reports 0
+    if isinstance(store, MemoryStore | SQLiteStore):
+        assert swept == 1
+        assert gone(store, KEY) and not gone(store, live)
+    else:
+        assert swept == 0  # Redis expires keys itself
     assert await store.get(KEY) is None
+    assert await store.get(live) is not None
+    assert await store.sweep() == 0  # nothing expired is left
 
 
 async def test_claim_reports_the_previous_name_in_the_slot(store: Store) -> None:
@@ -312,15 +381,15 @@ async def test_redis_keys_share_a_hash_tag() -> None:
     assert record_key(key).split("}")[0] == slot_key(key).split("}")[0] == "tp:{route|anon|plan|1"
 
 
-async def test_shared_values_expire(store: Store) -> None:
+async def test_shared_values_expire(store: Store, later: Later) -> None:
     assert await store.get_value("token|r|p") is None
     await store.put_value("token|r|p", b"\x00sealed\xff", 0.3)
     assert await store.get_value("token|r|p") == b"\x00sealed\xff"
-    await asyncio.sleep(0.45)
+    await later(0.45)
     assert await store.get_value("token|r|p") is None
 
 
-async def test_locks_have_one_holder_and_expire(store: Store) -> None:
+async def test_locks_have_one_holder_and_expire(store: Store, later: Later) -> None:
     results = await asyncio.gather(*(store.acquire("fetch", f"o{i}", 0.3) for i in range(20)))
     assert sum(results) == 1
     holder = f"o{results.index(True)}"
@@ -329,5 +398,6 @@ async def test_locks_have_one_holder_and_expire(store: Store) -> None:
     assert not await store.acquire("fetch", "late", 0.3)
     await store.unlock("fetch", holder)
     assert await store.acquire("fetch", "late", 0.2)
-    await asyncio.sleep(0.35)
+    assert not await store.acquire("fetch", "later", 0.2)
+    await later(0.35)
     assert await store.acquire("fetch", "later", 0.2)

@@ -93,6 +93,52 @@ def test_token_exchange_per_principal(
     assert first["subject_token_type"] == "urn:ietf:params:oauth:token-type:access_token"
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "shared-cache"])
+@pytest.mark.parametrize("mode", ["token_exchange", "obo"])
+def test_users_sharing_a_coarse_principal_get_their_own_tokens(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    shared: bool,
+) -> None:
+    """``principal: [tid]`` scopes records by tenant; the token cache is still per user."""
+    import base64
+    import os
+
+    auth: dict[str, Any] = {**auth_section(idp), "principal": ["tid"]}
+    if shared:
+        monkeypatch.setenv("TOOL_PROXY_TEST_TOKEN_KEY", base64.b64encode(os.urandom(32)).decode())
+        auth["token_cache_key_env"] = "TOOL_PROXY_TEST_TOKEN_KEY"
+    proxy = make_proxy(token_route(tool, idp, mode), auth=auth)
+    assert call(f"{proxy.url}/tools/db", idp.token("alice", tid="t1")).status_code == 200
+    assert forwarded_token(tool) == "dt-1-alice"
+    assert call(f"{proxy.url}/tools/db", idp.token("bob", tid="t1")).status_code == 200
+    assert forwarded_token(tool) == "dt-2-bob"  # never alice's
+    assert call(f"{proxy.url}/tools/db", idp.token("alice", tid="t1")).status_code == 200
+    assert forwarded_token(tool) == "dt-1-alice"  # hers, from the cache
+    assert len(idp.grants) == 2
+
+
+def test_a_refresh_token_held_for_one_user_does_not_let_another_in(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    """An expired caller token passes only on its own user's refresh token, not on one
+    held for another user of the same (coarse) principal."""
+    import time
+
+    idp.issue_refresh_tokens = True
+    auth = {**auth_section(idp), "principal": ["tid"]}
+    proxy = make_proxy(token_route(tool, idp, "token_exchange", use_refresh_tokens=True), auth=auth)
+    now = int(time.time())
+    assert call(f"{proxy.url}/tools/db", idp.token("alice", tid="t1")).status_code == 200
+    expired_bob = idp.token("bob", tid="t1", exp=now - 120, iat=now - 600)
+    refused = call(f"{proxy.url}/tools/db", expired_bob)
+    assert refused.status_code == 401
+    assert forwarded_token(tool) == "dt-1-alice"  # bob's call never reached the tool
+
+
 def test_obo_uses_the_jwt_bearer_grant(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> None:

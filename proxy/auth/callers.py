@@ -1,4 +1,5 @@
-"""Validating a caller's bearer JWT and deriving the principal that scopes its records.
+"""Validating a caller's bearer JWT and deriving the principal that scopes its records,
+and the identity (issuer and subject) that its downstream tokens are cached under.
 
 The algorithms come from the configuration, never from the token; ``exp``, ``iat``,
 ``iss``, ``aud`` and ``sub`` are required; the issuer is chosen by the token's ``iss`` among
@@ -21,6 +22,8 @@ from proxy.config import AuthConfig, IssuerConfig
 from proxy.errors import Unauthorized
 
 _REQUIRED = ["exp", "iat", "iss", "aud", "sub"]
+# The claims that name one user, whatever ``auth.principal`` says.
+IDENTITY_CLAIMS = ("iss", "sub")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,9 @@ class Caller:
 
     principal: str
     """A digest of the principal claims: records are scoped by it."""
+    identity: str
+    """A digest of issuer and subject: one user, whatever the principal claims are; the
+    downstream tokens obtained for this caller are cached under it."""
     claims: dict[str, Any]
     expired: bool = False
     """Only with ``allow_expired``: the token is genuine but past its ``exp``."""
@@ -107,4 +113,5 @@ class Authenticator:
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"the token is not valid: {exc}") from exc
         expired = allow_expired and claims["exp"] < time.time() - issuer.leeway
-        return Caller(principal_of(claims, self._principal), claims, expired)
+        principal = principal_of(claims, self._principal)
+        return Caller(principal, principal_of(claims, IDENTITY_CLAIMS), claims, expired)

@@ -4,7 +4,10 @@ Modes: ``client_credentials`` (the proxy's own token for the route's audience),
 ``token_exchange`` (RFC 8693, the caller's JWT as subject_token) and ``obo`` (Entra's
 on-behalf-of: jwt-bearer grant with requested_token_use=on_behalf_of).
 
-Tokens are cached per (route, principal), renewed at ``refresh_ahead`` of their
+Tokens are cached per (route, caller identity), the identity being a digest of the
+caller's issuer and subject, never the principal that scopes records (which may be as
+coarse as a tenant); ``client_credentials`` tokens, which belong to no user, are cached
+per route. They are renewed at ``refresh_ahead`` of their
 lifetime (and never inside the last ``MIN_VALIDITY_SECONDS``), and fetched once for any
 number of concurrent requests: in this process (one task), and across replicas when
 ``auth.token_cache_key_env`` is set (a short lock in the shared store; the token is then
@@ -96,7 +99,7 @@ def load_secrets(routes: list[RouteConfig]) -> dict[str, tuple[TokenConfig, Secr
 
 
 def _shared_name(key: tuple[str, str]) -> str:
-    """The name under which the replicas share the token of (route, principal)."""
+    """The name under which the replicas share the token of (route, identity)."""
     return "token|" + "|".join(key)
 
 
@@ -118,7 +121,7 @@ class DownstreamTokens:
         self._cache: dict[tuple[str, str], _Cached] = {}
         self._pending: dict[tuple[str, str], asyncio.Task[_Cached]] = {}
         # The last token an upstream refused, per shared name: a copy the replicas still
-        # share is not taken again (one entry per route and principal, like the cache).
+        # share is not taken again (one entry per route and identity, like the cache).
         self._refused: dict[str, str] = {}
 
     def applies(self, route: str) -> bool:
@@ -128,10 +131,16 @@ class DownstreamTokens:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def token(self, route: str, principal: str, subject: str | None) -> str:
-        """The downstream token for ``route`` and caller ``principal``."""
+    def _key(self, route: str, identity: str) -> tuple[str, str]:
+        """Where the token of ``route`` for ``identity`` is cached (one per route for
+        client credentials: the proxy's own token)."""
         policy, _ = self._policies[route]
-        key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
+        return (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else identity)
+
+    async def token(self, route: str, identity: str, subject: str | None) -> str:
+        """The downstream token for ``route`` and the caller ``identity`` (``Caller.identity``,
+        issuer and subject; "" for an anonymous caller)."""
+        key = self._key(route, identity)
         now = self._clock()
         cached = self._cache.get(key)
         if cached is not None and now < cached.refresh_at:
@@ -158,11 +167,10 @@ class DownstreamTokens:
         if not task.cancelled():
             task.exception()  # seen by every waiter; retrieved here if none is left
 
-    def drop(self, route: str, principal: str, refused: str) -> None:
+    def drop(self, route: str, identity: str, refused: str) -> None:
         """Forget ``refused``, a token the upstream refused (a 401 although it looked
         fresh); a newer one, fetched meanwhile by another request, is kept."""
-        policy, _ = self._policies[route]
-        key = (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else principal)
+        key = self._key(route, identity)
         cached = self._cache.get(key)
         if cached is not None and cached.token == refused:
             del self._cache[key]
@@ -174,9 +182,9 @@ class DownstreamTokens:
         found = self._policies.get(route)
         return found is not None and found[0].use_refresh_tokens
 
-    async def can_refresh(self, route: str, principal: str) -> bool:
-        """True if a refresh token can renew this caller's downstream token."""
-        key = (route, principal)
+    async def can_refresh(self, route: str, identity: str) -> bool:
+        """True if a refresh token can renew the downstream token of caller ``identity``."""
+        key = self._key(route, identity)
         cached = self._cache.get(key)
         if cached is None and self._shared is not None:
             cached = await self._read_shared(_shared_name(key), fresh_only=False)

@@ -3,10 +3,10 @@
 One round trip per operation: each is a Lua script (EVALSHA), atomic on the server.
 Commands that requests issue while a round trip is under way are sent together when it
 returns (auto-pipelining, see ``Coalescer``), over one connection, packed by hiredis.
-Measured on the target machine with 32 concurrent callers, that costs about 10 µs of CPU
-per command, against about 26 µs with redis-py's pipelines and 46 µs with a command per
-call (redis-py's per-command pool, timeout and observability work dominate otherwise);
-an idle proxy still sends each command at once. It changes nothing for Redis: each
+Under concurrency that costs a fraction of the CPU of redis-py's pipelines or of a
+command per call, whose per-command pool, timeout and observability work dominate
+otherwise (the figures are in docs/benchmarks.md); an idle proxy still sends each
+command at once. It changes nothing for Redis: each
 script is still one command, applied atomically, and each caller gets its own reply.
 
 The keys of one step share a hash tag, ``tp:{<slot>}:...``, so a Redis Cluster keeps
