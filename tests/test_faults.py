@@ -75,29 +75,73 @@ def test_outcome_is_recorded_after_the_store_comes_back(
         redis.stop()
 
 
-def test_a_dead_proxy_holds_the_key_for_lock_ttl_only(tool: CountingTool, tmp_path: Path) -> None:
-    """The documented trade-off: after a crash, the lease expires and a retry executes."""
-    config = {
-        "store": {"url": f"sqlite://{tmp_path}/state.db"},
-        "routes": [route(tool.url, lock_ttl="1.5s")],
-    }
+def kill_mid_call(
+    tool: CountingTool, config: dict[str, Any], tmp_path: Path, key: str, path: str
+) -> None:
+    """Start a proxy, send it a call, SIGKILL it while the tool works on it."""
     first = ProxyProcess(config, tmp_path).start()
-    key = new_key(BODY)
-    url = "/tools/a?delay=3"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
-            httpx.post, first.url + url, json=BODY, headers={"Idempotency-Key": key}, timeout=30
+            httpx.post, first.url + path, json=BODY, headers={"Idempotency-Key": key}, timeout=30
         )
-        time.sleep(0.5)  # the tool is working on it
+        wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
         first.kill()
         with pytest.raises(httpx.HTTPError):
             pending.result()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_a_killed_proxy_never_causes_a_second_execution(
+    tool: CountingTool, tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL mid-call (a three-second call): the retries, against the restarted
+    proxy and against a second replica, get 409 while the lease lives, then the FAILED
+    replay (outcome unknown), never a second execution."""
+    url = (
+        f"sqlite://{tmp_path}/state.db"
+        if backend == "sqlite"
+        else request.getfixturevalue("redis_url")
+    )
+    config = {"store": {"url": url}, "routes": [route(tool.url, lock_ttl="1.5s")]}
+    key = new_key(BODY)
+    path = "/tools/a?delay=3"
+    replica = ProxyProcess(config, tmp_path).start()
+    restarted = None
+    try:
+        kill_mid_call(tool, config, tmp_path, key, path)
+        held = httpx.post(replica.url + path, json=BODY, headers={"Idempotency-Key": key})
+        assert held.status_code == 409  # the dead proxy's lease still runs
+        restarted = ProxyProcess(config, tmp_path).start()
+        wait_for(lambda: tool.count(key) == 1, what="the killed proxy's call to end")
+        time.sleep(1.6)  # the lease lapses
+        for proxy in (restarted, replica, restarted):
+            again = httpx.post(proxy.url + path, json=BODY, headers={"Idempotency-Key": key})
+            assert again.status_code == 502
+            assert again.headers["idempotent-replayed"] == "true"
+            assert again.json()["type"] == "urn:tool-proxy:problem:outcome-unknown"
+        time.sleep(0.2)
+        assert tool.count(key) == 1
+    finally:
+        replica.stop()
+        if restarted is not None:
+            restarted.stop()
+
+
+def test_reexecute_on_a_lapsed_lease_runs_the_call_again(
+    tool: CountingTool, tmp_path: Path
+) -> None:
+    """The opt-in trade-off: after a crash, the lease lapses and a retry executes."""
+    config = {
+        "store": {"url": f"sqlite://{tmp_path}/state.db"},
+        "routes": [route(tool.url, lock_ttl="1.5s", on_lapsed_lease="reexecute")],
+    }
+    key = new_key(BODY)
+    path = "/tools/a?delay=2"
+    kill_mid_call(tool, config, tmp_path, key, path)
     second = ProxyProcess(config, tmp_path).start()
     try:
-        held = httpx.post(second.url + url, json=BODY, headers={"Idempotency-Key": key})
-        assert held.status_code == 409  # the dead proxy's lease still runs
         time.sleep(1.6)
-        again = httpx.post(second.url + "/tools/a", json=BODY, headers={"Idempotency-Key": key})
+        again = httpx.post(second.url + path, json=BODY, headers={"Idempotency-Key": key})
         assert again.status_code == 200
         assert "idempotent-replayed" not in again.headers
         # The tool ran the step twice: the crashed proxy's call finished, unrecorded.
@@ -228,16 +272,17 @@ def post(url: str, key: str) -> httpx.Response:
 def test_a_lease_taken_over_by_another_process_keeps_the_second_outcome(
     tool: CountingTool, tmp_path: Path, request: pytest.FixtureRequest, shared: str
 ) -> None:
-    """Two proxy processes share one store. The first is frozen (SIGSTOP) mid-call until its
-    lease lapses; the second claims the key and executes. The first, thawed, gets its
-    answer late: it is refused by the owner fence, and the second's outcome is the one
-    replayed."""
+    """With on_lapsed_lease: reexecute, two proxy processes share one store. The first is
+    frozen (SIGSTOP) mid-call until its lease lapses; the second claims the key and
+    executes. The first, thawed, gets its answer late: it is refused by the owner fence,
+    and the second's outcome is the one replayed."""
     store = (
         f"sqlite://{tmp_path}/state.db"
         if shared == "sqlite"
         else request.getfixturevalue("redis_url")
     )
-    config = {"store": {"url": store}, "routes": [route(tool.url, lock_ttl="1s")]}
+    spec = route(tool.url, lock_ttl="1s", on_lapsed_lease="reexecute")
+    config = {"store": {"url": store}, "routes": [spec]}
     first, second = (ProxyProcess(config, tmp_path).start() for _ in range(2))
     key = new_key(BODY)
     url = "/tools/a?delay=2"
@@ -264,6 +309,44 @@ def test_a_lease_taken_over_by_another_process_keeps_the_second_outcome(
             lambda: "lease_lost_before_recording" in {e["event"] for e in first.events()},
             what="the first process to report its refused outcome",
         )
+    finally:
+        for proxy in (first, second):
+            if proxy.process is not None:
+                proxy.process.send_signal(signal.SIGCONT)
+                proxy.stop()
+
+
+@pytest.mark.parametrize("shared", ["sqlite", "redis"])
+def test_a_frozen_proxys_late_outcome_replaces_the_lapsed_failure(
+    tool: CountingTool, tmp_path: Path, request: pytest.FixtureRequest, shared: str
+) -> None:
+    """By default a lapsed lease is FAILED for the second proxy (never a second run); when
+    the first proxy thaws and records the tool's real answer, later retries get it."""
+    store = (
+        f"sqlite://{tmp_path}/state.db"
+        if shared == "sqlite"
+        else request.getfixturevalue("redis_url")
+    )
+    config = {"store": {"url": store}, "routes": [route(tool.url, lock_ttl="1s")]}
+    first, second = (ProxyProcess(config, tmp_path).start() for _ in range(2))
+    key = new_key(BODY)
+    url = "/tools/a?delay=1.5"
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            late = pool.submit(post, f"{first.url}{url}", key)
+            wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
+            assert first.process is not None
+            first.process.send_signal(signal.SIGSTOP)
+            time.sleep(1.5)  # the lease lapses
+            failed = post(f"{second.url}{url}", key)
+            assert failed.status_code == 502
+            assert failed.json()["type"] == "urn:tool-proxy:problem:outcome-unknown"
+            first.process.send_signal(signal.SIGCONT)
+            assert late.result().status_code == 200
+        replay = post(f"{second.url}{url}", key)
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert (replay.status_code, replay.json()["execution"]) == (200, 1)
+        assert tool.count(key) == 1
     finally:
         for proxy in (first, second):
             if proxy.process is not None:

@@ -66,8 +66,9 @@ async def test_held_claims_outlive_their_lock_ttl_and_stopped_ones_expire() -> N
     await asyncio.sleep(LOCK_TTL * 2.5)  # several lock_ttl: only renewals keep them
     for op in ops[:2]:
         record = await store.get(op.key)
-        assert record is not None and record.state is State.IN_PROGRESS
-    assert await store.get(ops[2].key) is None  # not renewed: expired
+        assert record is not None and record.state is State.IN_PROGRESS and record.ttl > 0
+    lapsed = await store.get(ops[2].key)
+    assert lapsed is not None and lapsed.ttl == 0  # not renewed: its lease lapsed
     for lease in leases[:2]:
         lease.stop()
     assert log.events == []
@@ -143,7 +144,8 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
     assert log.events[-1] == "outcome_not_recorded"
     assert not guard._leases._held
     await asyncio.sleep(LOCK_TTL * 2)
-    assert await store.get(op.key) is None  # not renewed: the lease ran out
+    lapsed = await store.get(op.key)
+    assert lapsed is not None and lapsed.ttl == 0  # not renewed: the lease ran out
 
 
 async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unknown() -> None:

@@ -88,7 +88,7 @@ def gone(store: Store, key: RecordKey) -> bool:
         return key not in store._records
     assert isinstance(store, SQLiteStore)
     with sqlite3.connect(store.path) as db:
-        query = "SELECT count(*) FROM records WHERE slot = ? AND name = ?"
+        query = "SELECT count(*) FROM step_records WHERE slot = ? AND name = ?"
         return bool(db.execute(query, key).fetchone()[0] == 0)
 
 
@@ -145,12 +145,12 @@ async def test_failed_is_kept_like_completed(store: Store) -> None:
 
 async def test_only_the_owner_may_renew_complete_or_release(store: Store) -> None:
     await store.claim(KEY, "fp", "a", LOCK, RESULT)
-    assert not await store.renew(KEY, "b", LOCK)
+    assert not await store.renew(KEY, "b", LOCK, RESULT)
     assert not await store.complete(KEY, "b", "fp", State.COMPLETED, b"x", RESULT)
     assert not await store.release(KEY, "b")
     record = await store.get(KEY)
     assert record is not None and record.state is State.IN_PROGRESS and record.owner == "a"
-    assert await store.renew(KEY, "a", LOCK)
+    assert await store.renew(KEY, "a", LOCK, RESULT)
     assert await store.release(KEY, "a")
     assert await store.get(KEY) is None
     assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
@@ -160,20 +160,66 @@ async def test_a_completed_record_cannot_be_released(store: Store) -> None:
     await store.claim(KEY, "fp", "a", LOCK, RESULT)
     await store.complete(KEY, "a", "fp", State.COMPLETED, b"x", RESULT)
     assert not await store.release(KEY, "a")
-    assert not await store.renew(KEY, "a", LOCK)
+    assert not await store.renew(KEY, "a", LOCK, RESULT)
     assert (await store.get(KEY)) is not None
 
 
-async def test_lease_expires_and_the_old_owner_is_fenced_off(store: Store, later: Later) -> None:
+async def test_a_lapsed_lease_is_failed_not_a_free_key(store: Store, later: Later) -> None:
+    """The proxy that claimed may have sent the call: a claim after its lease lapsed
+    finds a FAILED record (empty payload: lapsed), never a free key."""
     await store.claim(KEY, "fp", "a", 0.2, RESULT)
     await later(0.35)
-    assert await store.get(KEY) is None
-    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    held = await store.get(KEY)
+    assert held is not None and held.state is State.IN_PROGRESS and held.ttl == 0
+    found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert not found.claimed and found.record is not None
+    assert (found.record.state, found.record.owner, found.record.lapsed) == (
+        State.FAILED,
+        "a",
+        True,
+    )
+    assert LOCK < found.record.ttl <= RESULT  # the record outlives its lease
+    again = await store.claim(KEY, "fp", "c", LOCK, RESULT)
+    assert again.record is not None and again.record.lapsed
+    assert not await store.renew(KEY, "a", LOCK, RESULT)  # too late to renew
+
+
+async def test_the_late_outcome_of_a_lapsed_lease_is_recorded(store: Store, later: Later) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await later(0.35)
+    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed  # now FAILED
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"late", RESULT)
+    record = await store.get(KEY)
+    assert record is not None and (record.state, record.payload) == (State.COMPLETED, b"late")
+
+
+async def test_the_owner_of_a_lapsed_lease_may_still_release_it(store: Store, later: Later) -> None:
+    """It knows nothing was sent (say, no connection could be made)."""
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await later(0.35)
+    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    assert not await store.release(KEY, "b")
+    assert await store.release(KEY, "a")
+    assert (await store.claim(KEY, "fp", "c", LOCK, RESULT)).claimed
+
+
+async def test_reexecute_lapsed_claims_it_and_fences_the_old_owner(
+    store: Store, later: Later
+) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await later(0.35)
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT, reexecute_lapsed=True)).claimed
     assert not await store.complete(KEY, "a", "fp", State.COMPLETED, b"stale", RESULT)
-    assert not await store.renew(KEY, "a", LOCK)
+    assert not await store.renew(KEY, "a", LOCK, RESULT)
     assert await store.complete(KEY, "b", "fp", State.COMPLETED, b"fresh", RESULT)
     record = await store.get(KEY)
     assert record is not None and record.payload == b"fresh"
+
+
+async def test_reexecute_lapsed_never_takes_a_live_lease(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    found = await store.claim(KEY, "fp", "b", LOCK, RESULT, reexecute_lapsed=True)
+    assert found.record is not None and found.record.state is State.IN_PROGRESS
 
 
 async def test_a_late_outcome_is_kept_if_nobody_took_over(store: Store, later: Later) -> None:
@@ -193,10 +239,22 @@ async def test_renewal_keeps_the_lease(store: Store, later: Later) -> None:
     await store.claim(KEY, "fp", "a", 0.3, RESULT)
     for _ in range(3):
         await later(0.15)
-        assert await store.renew(KEY, "a", 0.3)
-    assert not (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed  # 0.45 s > 0.3 s
+        assert await store.renew(KEY, "a", 0.3, RESULT)
+    live = await store.claim(KEY, "fp", "b", LOCK, RESULT)  # 0.45 s > 0.3 s
+    assert live.record is not None and live.record.state is State.IN_PROGRESS
     await later(0.45)  # no renewal now: the lease lapses
-    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
+    lapsed = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert lapsed.record is not None and lapsed.record.lapsed
+
+
+async def test_renewal_keeps_a_long_call_past_its_result_ttl(store: Store, later: Later) -> None:
+    """A call renewed for longer than result_ttl still has its record."""
+    await store.claim(KEY, "fp", "a", 0.3, 0.4)
+    for _ in range(5):
+        await later(0.2)
+        assert await store.renew(KEY, "a", 0.3, 0.4)
+    record = await store.get(KEY)
+    assert record is not None and record.state is State.IN_PROGRESS and record.owner == "a"
 
 
 async def test_results_expire(store: Store, later: Later) -> None:
@@ -224,6 +282,64 @@ async def test_sweep_removes_expired_records(store: Store, later: Later) -> None
     assert await store.get(KEY) is None
     assert await store.get(live) is not None
     assert await store.sweep() == 0  # nothing expired is left
+
+
+async def test_records_lists_one_scope_from_its_index(store: Store, later: Later) -> None:
+    plan = "route|anon|plan-7"
+    steps = [RecordKey(f"{plan}|{n}", name) for n, name in ((1, "h1"), (2, "h2"), (2, "h3"))]
+    for key in steps:
+        assert (await store.claim(key, "fp", "a", LOCK, RESULT)).claimed
+    await store.claim(RecordKey("route|anon|other|1", "h1"), "fp", "a", LOCK, RESULT)
+    await store.complete(steps[0], "a", "fp", State.COMPLETED, b"done", RESULT)
+    short = RecordKey(f"{plan}|3", "h4")
+    await store.claim(short, "fp", "a", 0.1, 0.2)
+    listed = await store.records(plan)
+    assert {r.key for r in listed} == {*steps, short}
+    first = next(r for r in listed if r.key == steps[0])
+    assert (first.state, first.payload) == (State.COMPLETED, b"done")
+    assert 0 < first.created_at <= first.updated_at
+    await later(0.3)  # the short record expires and leaves the listing
+    assert {r.key for r in await store.records(plan)} == set(steps)
+    assert await store.records("route|anon|nothing") == []
+
+
+async def test_scan_visits_every_record_in_bounded_pages(store: Store) -> None:
+    keys = {RecordKey(f"route|p|plan-{i}|1", "h") for i in range(25)}
+    for key in keys:
+        await store.claim(key, "fp", "a", LOCK, RESULT)
+    seen: set[RecordKey | None] = set()
+    cursor, calls = "", 0
+    while True:
+        cursor, page = await store.scan(cursor, 10)
+        seen.update(r.key for r in page)
+        calls += 1
+        if not cursor:
+            break
+    assert seen == keys
+    assert calls >= 2
+
+
+async def test_settle_resolves_failed_records_only(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert not await store.settle(KEY, State.COMPLETED, b"x", RESULT)  # IN_PROGRESS
+    await store.complete(KEY, "a", "fp", State.FAILED, b"unknown", RESULT)
+    assert await store.settle(KEY, State.COMPLETED, b"resolved", RESULT)
+    record = await store.get(KEY)
+    assert record is not None and (record.state, record.payload) == (State.COMPLETED, b"resolved")
+    assert not await store.settle(KEY, None, b"", RESULT)  # COMPLETED now
+    other = RecordKey("route|anon|plan|2", "b" * 64)
+    await store.claim(other, "fp", "a", LOCK, RESULT)
+    await store.complete(other, "a", "fp", State.FAILED, b"unknown", RESULT)
+    assert await store.settle(other, None, b"", RESULT)  # released: a retry executes
+    assert (await store.claim(other, "fp", "b", LOCK, RESULT)).claimed
+
+
+async def test_delete_removes_a_record_in_any_state(store: Store) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert await store.delete(KEY)
+    assert not await store.delete(KEY)
+    assert await store.get(KEY) is None
+    assert (await store.claim(KEY, "fp", "b", LOCK, RESULT)).claimed
 
 
 async def test_claim_reports_the_previous_name_in_the_slot(store: Store) -> None:
@@ -375,10 +491,11 @@ async def test_sqlite_failed_commit_is_rolled_back(tmp_path: Path) -> None:
 
 
 async def test_redis_keys_share_a_hash_tag() -> None:
-    from proxy.store.redis import record_key, slot_key
+    from proxy.store.redis import index_key, record_key, slot_key
 
     key = RecordKey("route|anon|plan|1", "h")
-    assert record_key(key).split("}")[0] == slot_key(key).split("}")[0] == "tp:{route|anon|plan|1"
+    tags = {record_key(key).split("}")[0], slot_key(key).split("}")[0]}
+    assert tags == {index_key(key.scope).split("}")[0]} == {"tp:{route|anon|plan"}
 
 
 async def test_shared_values_expire(store: Store, later: Later) -> None:
