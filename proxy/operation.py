@@ -5,7 +5,8 @@ from the route's policy, the ``Idempotency-Key`` header, the body and the target
 
 - a composite key ``<plan>:<step>:<args_hash>`` lives in the slot of its step (route,
   principal, plan, step) under the name ``args_hash``, which must be the body's hash;
-- an opaque key lives in a slot of its own (route, principal, a digest of the key);
+- an opaque key lives in a scope and slot of its own (route, principal, a digest of the
+  key; step ``-``);
 - the fingerprint covers the method, path and query with the body's digest, so a key
   sent again with another request is refused (422) instead of replaying another answer.
 """
@@ -62,4 +63,4 @@ def identify(
         return Operation(RecordKey(f"{scope}|{key.plan}|{key.step}", digest), str(key), request)
     opaque = parse_opaque(header)
     slot = hashlib.sha256(opaque.encode()).hexdigest()[:40]
-    return Operation(RecordKey(f"{scope}|{slot}", "-"), opaque, request)
+    return Operation(RecordKey(f"{scope}|{slot}|-", "-"), opaque, request)
