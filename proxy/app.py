@@ -41,6 +41,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
+from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
@@ -147,8 +148,12 @@ class Proxy:
         ttls = {r.name: r.idempotency.result_ttl for r in config.routes if r.idempotency}
         self.offload = Offload(config.offload, ttls) if config.offload else None
         self.metrics = Metrics()
+        journal_dir = config.journal_dir()
+        self.journal = None if journal_dir is None else Journal(journal_dir, store, self.log)
         self.guards = {
-            r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload, self.metrics)
+            r.name: Guard(
+                r, r.idempotency, store, tasks, self.log, self.offload, self.metrics, self.journal
+            )
             for r in config.routes
             if r.idempotency is not None
         }
@@ -421,6 +426,9 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
             asyncio.create_task(_flush_logs_forever()),
         ]
+        if proxy.journal is not None:
+            proxy.journal.open()
+            chores.append(asyncio.create_task(proxy.journal.run_forever()))
         if proxy.offload is not None and proxy.offload.sweeps:
             chores.append(asyncio.create_task(_sweep_objects_forever(proxy.offload, proxy.log)))
         gc.collect()
@@ -439,6 +447,11 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             # calls conclude now (a cancelled one records FAILED), before the store closes.
             if not await tasks.drain(drain_seconds):
                 proxy.log.critical("shutdown_with_calls_in_flight", calls=len(tasks))
+            if proxy.journal is not None:  # one last try; what is left waits for a restart
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STORE_OPERATION_SECONDS):
+                        await proxy.journal.flush()
+                proxy.journal.close()
             await upstream.close()
             await proxy.store.close()
             if proxy.auth is not None:

@@ -44,8 +44,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ]
         )
     from proxy.app import shutdown_seconds
+    from proxy.journal import check_directory
     from proxy.server import serve
 
+    journal_dir = config.journal_dir()
+    if journal_dir is not None and (problem := check_directory(journal_dir)):
+        return _fail([problem])
     if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
         # every worker writes its metrics here, so one scrape sees the whole server
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")

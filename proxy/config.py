@@ -62,11 +62,16 @@ DEFAULT_PRESIGN_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 
+# Where the journal lives when the store is Redis and no state_dir is configured (for
+# SQLite: the database's directory; memory:// keeps no journal).
+DEFAULT_STATE_DIR = "/var/lib/tool-proxy"
+
 # Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
 RESERVED_PREFIX = "/_proxy"
 
 ENV_CONFIG = "TOOL_PROXY_CONFIG"
 ENV_STORE_URL = "TOOL_PROXY_STORE_URL"
+ENV_STATE_DIR = "TOOL_PROXY_STATE_DIR"
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
@@ -349,7 +354,22 @@ class Config(_Strict):
     auth: AuthConfig | None = None
     server: ServerConfig = ServerConfig()
     limits: LimitsConfig = LimitsConfig()
+    state_dir: str | None = None
+    """Where the journal of outcomes not yet recorded is kept (see ``journal_dir``)."""
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
+
+    def journal_dir(self) -> Path | None:
+        """The journal's directory: ``state_dir``; else the SQLite database's directory,
+        or DEFAULT_STATE_DIR for Redis; None for memory:// (nothing outlives the process)."""
+        if self.state_dir:
+            return Path(self.state_dir)
+        url = self.store.url
+        if url.startswith("memory://"):
+            return None
+        if url.startswith("sqlite://"):
+            path = url.removeprefix("sqlite://").partition("?")[0]
+            return Path(path).parent
+        return Path(DEFAULT_STATE_DIR)
 
     @model_validator(mode="after")
     def _unique_routes(self) -> Config:
@@ -415,8 +435,11 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     """Validate parsed YAML; raise ``ConfigError`` listing every problem."""
     if not isinstance(data, dict):
         raise ConfigError(["(top level): the configuration must be a mapping"])
-    if store_url := (os.environ if env is None else env).get(ENV_STORE_URL):
+    environ = os.environ if env is None else env
+    if store_url := environ.get(ENV_STORE_URL):
         data = {**data, "store": {**(data.get("store") or {}), "url": store_url}}
+    if state_dir := environ.get(ENV_STATE_DIR):
+        data = {**data, "state_dir": state_dir}
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -54,6 +54,7 @@ from proxy.errors import (
     UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
+from proxy.journal import Entry, Journal
 from proxy.metrics import Metrics
 from proxy.offload import STREAM_CHUNK_BYTES, Offload, Spool
 from proxy.operation import Operation
@@ -266,8 +267,10 @@ class Guard:
         log: Any,
         offload: Offload | None = None,
         metrics: Metrics | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.route = route
+        self.journal = journal
         self.policy = policy
         self.store = store
         self.tasks = tasks
@@ -545,8 +548,10 @@ class Guard:
                 route=self.route.name,
                 key=lease.op.label,
                 error=exc.detail,
-                note="the key stays locked until lock_ttl ends",
+                note="journaled: the key is released when the store is back",
             )
+            if not await self._journal(lease, None, b""):
+                self.log.error("release_lost", route=self.route.name, key=lease.op.label)
 
     async def _record(self, lease: Lease, state: State, stored: StoredResponse) -> None:
         """Record the outcome; a refused one as "not kept"; if the store is out of reach,
@@ -605,9 +610,40 @@ class Guard:
             route=self.route.name,
             key=lease.op.label,
             error=exc.detail,
-            note="retrying while the lease lasts",
+            note="kept in the journal until the store answers",
         )
-        self.tasks.spawn(self._record_later(lease, state, payload))
+        self.tasks.spawn(self._journal_or_retry(lease, state, payload))
+
+    async def _journal_or_retry(self, lease: Lease, state: State, payload: bytes) -> None:
+        if not await self._journal(lease, state, payload):
+            await self._record_later(lease, state, payload)
+
+    async def _journal(self, lease: Lease, state: State | None, payload: bytes) -> bool:
+        """Keep the outcome (``state`` None: the release) in the journal; False if there is
+        no journal or it cannot be written. The lease goes on until the store has it."""
+        if self.journal is None:
+            return False
+        op = lease.op
+        entry = Entry(
+            self.route.name,
+            op.key.slot,
+            op.key.name,
+            lease.owner,
+            op.fingerprint,
+            None if state is None else state.value,
+            self.policy.result_ttl,
+            payload,
+            op.label,
+        )
+        try:
+            await self.journal.keep(entry, lease.stop)
+        except OSError as exc:
+            self.log.error(
+                "journal_failed", route=self.route.name, key=op.label, error=_reason(exc)
+            )
+            return False
+        self._event(lease, "journaled")
+        return True
 
     async def _record_later(self, lease: Lease, state: State, payload: bytes) -> None:
         loop = asyncio.get_running_loop()

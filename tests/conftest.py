@@ -100,6 +100,7 @@ def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
     def make(
         *routes: dict[str, Any], store: str = "memory://", port: int | None = None, **top: Any
     ) -> ThreadServer:
+        top.setdefault("state_dir", str(tmp_path / "state"))
         config = parse_config({"store": {"url": store}, "routes": list(routes), **top}, env={})
         server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
         started.append(server)

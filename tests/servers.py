@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -235,6 +236,15 @@ class RedisServer:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
 
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers (a partition, a stall)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def flush(self) -> None:
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
             sock.sendall(b"FLUSHALL\r\n")
@@ -260,6 +270,7 @@ class ProxyProcess:
     ) -> None:
         self.extra_env = env or {}
         self.args = args
+        self.tmp = tmp
         self.port = free_port()
         self.config_path = tmp / f"proxy-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -273,6 +284,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOOL_PROXY_")}
+        env["TOOL_PROXY_STATE_DIR"] = str(self.tmp / "state")  # shared by the test's proxies
         env.update(self.extra_env)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
