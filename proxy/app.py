@@ -143,8 +143,11 @@ class Proxy:
         self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
         self.offload = Offload(config.offload) if config.offload else None
+        depth = config.limits.max_json_depth
         self.guards = {
-            r.name: Guard(r, r.idempotency, store, tasks, self.log, self.offload)
+            r.name: Guard(
+                r, r.idempotency, store, tasks, self.log, self.offload, max_json_depth=depth
+            )
             for r in config.routes
             if r.idempotency is not None
         }

@@ -35,6 +35,13 @@ DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8080
 # Request bodies above this get 413 and are never forwarded (10 MiB).
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+# JSON bodies that nest arrays and objects deeper than this are refused before they are
+# parsed (400). serde_json's default; tool arguments nest a few levels (structured
+# outputs of LLM APIs allow 5 to 10), and the decoders and the RFC 8785 encoder, which
+# recurse once per level, stay far below Python's recursion limit (1000).
+DEFAULT_MAX_JSON_DEPTH = 128
+# The most that limits.max_json_depth may be: room left under Python's recursion limit.
+MAX_JSON_DEPTH_LIMIT = 512
 # The whole upstream exchange (connect, send, wait, read) must fit in this.
 DEFAULT_TIMEOUT = 30.0
 # Guarded by default: the non-idempotent methods.
@@ -142,6 +149,7 @@ class LimitsConfig(_Strict):
     """Request limits."""
 
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
+    max_json_depth: int = Field(default=DEFAULT_MAX_JSON_DEPTH, ge=1, le=MAX_JSON_DEPTH_LIMIT)
 
 
 class IdempotencyConfig(_Strict):

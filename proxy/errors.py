@@ -10,7 +10,8 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidPath                     400  path escapes the route or is not origin-form
     │   ├── MissingIdempotencyKey           400
     │   ├── InvalidIdempotencyKey           400
-    │   ├── InvalidJSONBody                 400
+    │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
+    │   ├── DuplicateJSONMember             400  an object repeats a member name (not I-JSON)
     │   └── BodyNotCanonicalizable          400
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
@@ -18,10 +19,12 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RequestInProgress                   409
     ├── ResponseNotStored                   410  replay of a response above max_stored_bytes
     ├── RequestTooLarge                     413
+    ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
     ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
     │   └── KeyReusedWithOtherBody          422  opaque key sent again with another body
+    ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
     ├── OutcomeUnknown                      502/504  the request was sent, the answer was lost
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
@@ -91,6 +94,14 @@ class InvalidJSONBody(BadRequest):
 
     slug = "invalid-json-body"
     title = "Body is not valid JSON"
+
+
+class DuplicateJSONMember(BadRequest):
+    """A JSON object in the body names a member twice: I-JSON (RFC 7493 2.3), the input of
+    RFC 8785, forbids it, and the tool and the hash could read different values."""
+
+    slug = "duplicate-json-member"
+    title = "Body repeats a JSON member name"
 
 
 class BodyNotCanonicalizable(BadRequest):
@@ -164,6 +175,14 @@ class RequestTooLarge(ProxyError):
     title = "Request body too large"
 
 
+class HeaderFieldsTooLarge(ProxyError):
+    """The request line and header fields are larger than limits.max_header_bytes."""
+
+    status = 431
+    slug = "request-header-fields-too-large"
+    title = "Request header fields too large"
+
+
 class CallerLeft(ProxyError):
     """The caller closed the connection before its request body was read: nothing was
     forwarded. Nobody receives the answer; 499 (nginx's "client closed request") is what
@@ -195,6 +214,15 @@ class KeyReusedWithOtherBody(UnprocessableKey):
 
     slug = "idempotency-key-reused"
     title = "Idempotency-Key was used with a different request"
+
+
+class MethodNotImplemented(ProxyError):
+    """CONNECT and TRACE: the proxy is not a tunnel, and a TRACE would echo its own
+    headers (and the ones it adds) back; they are never forwarded."""
+
+    status = 501
+    slug = "method-not-implemented"
+    title = "Method not implemented"
 
 
 class UpstreamUnreachable(ProxyError):

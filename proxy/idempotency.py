@@ -223,8 +223,11 @@ class Guard:
         tasks: TaskSet,
         log: Any,
         offload: Offload | None = None,
+        *,
+        max_json_depth: int | None = None,
     ) -> None:
         self.route = route
+        self.max_json_depth = max_json_depth  # limits.max_json_depth
         self.offload = offload
         self._warned_large = False
         self.policy = policy
@@ -266,7 +269,7 @@ class Guard:
                     f"route {self.route.name} requires an Idempotency-Key for {methods}"
                 )
             return None
-        digest = fingerprint(body, content_type, self.policy.canonicalization)
+        digest = fingerprint(body, content_type, self.policy.canonicalization, self.max_json_depth)
         request = hashlib.sha256(b"%s\n%s" % (target, digest.encode())).hexdigest()
         scope = f"{self.route.name}|{principal}"
         if self.policy.key is KeyKind.COMPOSITE:
