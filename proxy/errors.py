@@ -8,6 +8,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ProxyError
     ├── BadRequest                          400
     │   ├── InvalidPath                     400  path escapes the route or is not origin-form
+    │   ├── InvalidHeader                   400  a header the proxy reads repeated with another
+    │   │                                        value, or a header value that is not UTF-8
     │   ├── MissingIdempotencyKey           400
     │   ├── InvalidIdempotencyKey           400
     │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
@@ -73,6 +75,14 @@ class InvalidPath(BadRequest):
 
     slug = "invalid-path"
     title = "Invalid request path"
+
+
+class InvalidHeader(BadRequest):
+    """A header that cannot be passed on as it is meant: Content-Type, Content-Length or
+    Authorization repeated with another value, or a value that is not UTF-8."""
+
+    slug = "invalid-header"
+    title = "Invalid request header"
 
 
 class MissingIdempotencyKey(BadRequest):
