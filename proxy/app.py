@@ -29,6 +29,7 @@ from proxy.errors import (
     BadRequest,
     CallerLeft,
     InvalidPath,
+    MethodNotImplemented,
     OffloadUnavailable,
     OutcomeUnknown,
     ProxyError,
@@ -66,6 +67,9 @@ OBJECT_SWEEP_MARGIN_SECONDS = 3600.0
 READY_TIMEOUT_SECONDS = 2.0
 # Extra time, beyond the longest route timeout, that shutdown waits for in-flight calls.
 SHUTDOWN_GRACE_SECONDS = 5.0
+# Methods never forwarded (501): the proxy is not a tunnel, and TRACE would echo the
+# caller's headers, and those the proxy adds, back.
+NEVER_FORWARDED = frozenset({"CONNECT", "TRACE"})
 
 _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
@@ -194,6 +198,8 @@ class Proxy:
 
     async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
+        if request.method in NEVER_FORWARDED:
+            raise MethodNotImplemented(f"{request.method} is never forwarded by this proxy")
         if ABSOLUTE_FORM in scope.get("extensions", {}):
             raise InvalidPath(
                 "absolute-form request targets are refused: this is not a forward proxy"

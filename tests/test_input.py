@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -13,7 +15,35 @@ from starlette.routing import Route
 
 from proxy.keys import composite_key
 from tests.conftest import ProxyFactory, route
-from tests.servers import CountingTool, ThreadServer, running
+from tests.servers import BreakingTool, CountingTool, ThreadServer, running
+
+
+def exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """Send raw bytes; the status, headers and body of the one response that comes back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {data!r}"
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.split(b"\r\n")
+        headers = dict(line.lower().split(b": ", 1) for line in lines)
+        while len(body) < int(headers.get(b"content-length", b"0")):
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed mid-body"
+            body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def raw_problem(port: int, request: bytes) -> tuple[int, str]:
+    """The status and problem type of the answer to raw request bytes."""
+    status, headers, body = exchange(port, request)
+    assert headers[b"content-type"] == b"application/problem+json", (status, headers, body)
+    document = json.loads(body)
+    assert document["status"] == status
+    return status, str(document["type"]).rsplit(":", 1)[-1]
 
 
 def problem_type(response: httpx.Response) -> str:
@@ -107,10 +137,12 @@ class EchoTool:
 
     def __init__(self) -> None:
         self.received: list[list[tuple[bytes, bytes]]] = []
+        self.targets: list[bytes] = []
         self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])
 
     async def handle(self, request: Request) -> Response:
         self.received.append(list(request.headers.raw))
+        self.targets.append(request.scope["raw_path"])
         value = (RAW_VALUE + b" " + UTF8_VALUES[1]).decode("latin-1")  # sent as these bytes
         return Response(b"ok", headers={"X-Raw": value})
 
@@ -149,3 +181,15 @@ def test_response_header_bytes_reach_the_caller_unchanged(
     assert replay.headers["idempotent-replayed"] == "true"
     for response in (passed, first, replay):
         assert (b"x-raw", sent) in response.headers.raw
+
+
+@pytest.mark.parametrize("method", [b"CONNECT", b"TRACE"])
+def test_connect_and_trace_are_never_forwarded(make_proxy: ProxyFactory, method: bytes) -> None:
+    tool = BreakingTool()  # counts every request that reaches it, whatever its method
+    try:
+        proxy = make_proxy(route(tool.url, prefix="/", guarded=False))
+        request = b"%s /tools/x HTTP/1.1\r\nHost: a\r\n\r\n" % method
+        assert raw_problem(proxy.port, request) == (501, "method-not-implemented")
+        assert tool.received == 0
+    finally:
+        tool.close()
