@@ -454,6 +454,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             Exception: on_unexpected,
         },
     )
+    # '/_proxy/healthz/' is a 404, not a redirect to a Location built from the Host header
+    admin.router.redirect_slashes = False
     return App(proxy, admin)
 
 

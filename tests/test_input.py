@@ -193,3 +193,12 @@ def test_connect_and_trace_are_never_forwarded(make_proxy: ProxyFactory, method:
         assert tool.received == 0
     finally:
         tool.close()
+
+
+@pytest.mark.parametrize("path", ["healthz/", "readyz/", "metrics/"])
+def test_no_redirect_points_at_the_host_header(make_proxy: ProxyFactory, path: str) -> None:
+    proxy = make_proxy(route("http://127.0.0.1:9"))
+    response = httpx.get(f"{proxy.url}/_proxy/{path}", headers={"Host": "evil.example"})
+    assert response.status_code == 404
+    assert problem_type(response) == "not-found"
+    assert "location" not in response.headers
