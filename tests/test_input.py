@@ -202,3 +202,31 @@ def test_no_redirect_points_at_the_host_header(make_proxy: ProxyFactory, path: s
     assert response.status_code == 404
     assert problem_type(response) == "not-found"
     assert "location" not in response.headers
+
+
+@pytest.mark.parametrize("target", [b"//127.0.0.1:9/x", b"/a//b", b"/a/b//", b"//"])
+def test_empty_path_segments_are_refused(
+    echo: tuple[EchoTool, ThreadServer], make_proxy: ProxyFactory, target: bytes
+) -> None:
+    tool, server = echo
+    proxy = make_proxy(route(server.url + "/api", prefix="/", guarded=False))
+    request = b"GET %s HTTP/1.1\r\nHost: a\r\n\r\n" % target
+    assert raw_problem(proxy.port, request) == (400, "invalid-path")
+    assert tool.targets == []
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_the_upstream_target_is_always_the_routes_base(
+    echo: tuple[EchoTool, ThreadServer], make_proxy: ProxyFactory, strip: bool
+) -> None:
+    tool, server = echo
+    catch_all = route(server.url + "/api/", prefix="/", guarded=False, strip_prefix=strip)
+    tools = route(server.url + "/api/", name="t", prefix="/t", guarded=False, strip_prefix=strip)
+    proxy = make_proxy(catch_all, tools)
+    for target in (b"/", b"/x", b"/t", b"/t/", b"/t/x/y?q=//z"):
+        status, _, _ = exchange(proxy.port, b"GET %s HTTP/1.1\r\nHost: a\r\n\r\n" % target)
+        assert status == 200
+    expected = [b"/api/", b"/api/x", b"/api/t", b"/api/t/", b"/api/t/x/y"]
+    if strip:
+        expected[2:] = [b"/api/", b"/api/", b"/api/x/y"]
+    assert tool.targets == expected
