@@ -51,7 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
     host = args.host or config.server.host
     port = args.port or config.server.port
-    serve(args.config, host, port, args.workers, args.log_level, shutdown_seconds(config))
+    graceful = shutdown_seconds(config)
+    limit = config.limits.max_header_bytes
+    serve(args.config, host, port, args.workers, args.log_level, graceful, limit)
     return 0
 
 

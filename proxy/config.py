@@ -42,6 +42,11 @@ DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_JSON_DEPTH = 128
 # The most that limits.max_json_depth may be: room left under Python's recursion limit.
 MAX_JSON_DEPTH_LIMIT = 512
+# A request head (request line and header lines) above this gets 431: Envoy's default
+# (60 KiB); nginx allows 32 KiB in all (4 lines of 8 KiB). Room for large bearer tokens.
+DEFAULT_MAX_HEADER_BYTES = 60 * 1024
+# The least that limits.max_header_bytes may be.
+MIN_HEADER_BYTES = 1024
 # The whole upstream exchange (connect, send, wait, read) must fit in this.
 DEFAULT_TIMEOUT = 30.0
 # Guarded by default: the non-idempotent methods.
@@ -150,6 +155,7 @@ class LimitsConfig(_Strict):
 
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
     max_json_depth: int = Field(default=DEFAULT_MAX_JSON_DEPTH, ge=1, le=MAX_JSON_DEPTH_LIMIT)
+    max_header_bytes: int = Field(default=DEFAULT_MAX_HEADER_BYTES, ge=MIN_HEADER_BYTES)
 
 
 class IdempotencyConfig(_Strict):

@@ -6,6 +6,7 @@ import pytest
 
 from proxy.config import (
     DEFAULT_LOCK_TTL,
+    DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_STORE_URL,
     ENV_CONFIG,
@@ -116,8 +117,10 @@ def test_environment_overrides(tmp_path: Path) -> None:
 def test_input_limits_have_defaults_and_bounds() -> None:
     limits = parse_config({"routes": [ROUTE]}, env={}).limits
     assert limits.max_json_depth == DEFAULT_MAX_JSON_DEPTH
-    bad = {"max_json_depth": MAX_JSON_DEPTH_LIMIT + 1}
+    assert limits.max_header_bytes == DEFAULT_MAX_HEADER_BYTES
+    bad = {"max_json_depth": MAX_JSON_DEPTH_LIMIT + 1, "max_header_bytes": 100}
     with pytest.raises(ConfigError) as caught:
         parse_config({"routes": [ROUTE], "limits": bad}, env={})
     fields = " ".join(caught.value.problems)
     assert "limits.max_json_depth" in fields
+    assert "limits.max_header_bytes" in fields

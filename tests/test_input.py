@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +17,7 @@ from starlette.routing import Route
 
 from proxy.keys import composite_key
 from tests.conftest import ProxyFactory, route
-from tests.servers import BreakingTool, CountingTool, ThreadServer, running
+from tests.servers import BreakingTool, CountingTool, ProxyProcess, ThreadServer, running
 
 
 def exchange(port: int, request: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
@@ -230,3 +232,89 @@ def test_the_upstream_target_is_always_the_routes_base(
     if strip:
         expected[2:] = [b"/api/", b"/api/", b"/api/x/y"]
     assert tool.targets == expected
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /tools/x HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        b"POST /tools/x HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"CONNECT 127.0.0.1:9 HTTP/1.1\r\nHost: 127.0.0.1:9\r\n\r\n",
+        b"GET /tools/\xff HTTP/1.1\r\nHost: a\r\n\r\n",
+        b"GET /tools/x HTTP/1.1\r\nHost: a\r\nBad Name: v\r\n\r\n",
+        b"GET /tools/x HTTP/1.1\r\nHost: a\r\nX: a\rb\r\n\r\n",
+    ],
+)
+def test_requests_the_http_parser_refuses_get_a_problem_document(
+    tool: CountingTool, make_proxy: ProxyFactory, request_bytes: bytes
+) -> None:
+    proxy = make_proxy(route(tool.url, prefix="/", guarded=False))
+    assert raw_problem(proxy.port, request_bytes) == (400, "bad-request")
+    assert tool.total == 0
+
+
+def _send_until_answered(port: int, head: bytes, filler: bytes, most: int) -> tuple[bytes, int]:
+    """Send ``head``, then ``filler`` until an answer comes (or ``most`` bytes went out):
+    the answer, read to its end, and how many filler bytes were sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        sent = 0
+        while sent < most:
+            readable, _, _ = select.select([sock], [sock], [], 10)
+            if readable:
+                break
+            try:
+                sent += sock.send(filler)
+            except OSError:  # the proxy closed: its answer is in the receive buffer
+                break
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:  # the rest of what was sent reached a closed socket
+            pass
+    return answer, sent
+
+
+def test_a_huge_header_is_refused_before_it_is_read_whole(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(route(tool.url, prefix="/", guarded=False))
+    most = 64 * 1024 * 1024
+    head = b"GET /tools/x HTTP/1.1\r\nHost: a\r\nX-Big: "
+    answer, sent = _send_until_answered(proxy.port, head, b"a" * 65536, most)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert b"request-header-fields-too-large" in answer
+    assert sent < most // 4  # refused as it arrived (what was sent sits in socket buffers)
+    assert tool.total == 0
+
+
+@pytest.fixture
+def served(tool: CountingTool, tmp_path: Path) -> Iterator[ProxyProcess]:
+    """``tool-proxy serve`` with a small header limit, in front of the counting tool."""
+    config = {
+        "store": {"url": "memory://"},
+        "limits": {"max_header_bytes": 2048},
+        "routes": [route(tool.url, guarded=False)],
+    }
+    proxy = ProxyProcess(config, tmp_path).start()
+    yield proxy
+    proxy.stop()
+
+
+def test_the_served_proxy_takes_its_limits_and_answers_problems(
+    tool: CountingTool, served: ProxyProcess
+) -> None:
+    url = f"{served.url}/tools/x"
+    assert httpx.get(url, headers={"X-Pad": "v" * 1500}).status_code == 200
+    refused = httpx.get(url, headers={"X-Pad": "v" * 2100})
+    assert refused.status_code == 431
+    assert problem_type(refused) == "request-header-fields-too-large"
+    assert raw_problem(served.port, b"GARBAGE\r\n\r\n") == (400, "bad-request")
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13"}
+    upgrade["Sec-WebSocket-Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+    # not a WebSocket proxy: a plain request to the tool, never a library's own text 403
+    assert httpx.get(url, headers=upgrade).status_code == 200
+    assert tool.total == 2
