@@ -124,8 +124,9 @@ _FULL_DECODER = json.JSONDecoder(object_pairs_hook=_unique_members)
 _JCS_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 # The nesting depth of a JSON text is checked before it is parsed (the decoders and the
-# rfc8785 encoder recurse once per level). A body with no more brackets than the limit
-# cannot be deeper: two counts at C speed, all most bodies need. Any other body is
+# rfc8785 encoder recurse once per level). A body of at most twice the limit in bytes,
+# or with no more opening brackets than the limit, cannot be deeper: a comparison, or
+# two counts at C speed, all most bodies need. Any other body is
 # reduced to its brackets outside strings (escaped backslashes and quotes removed, then
 # everything but quotes and brackets; what lies between two quotes is then a string),
 # whose running depth is summed up: C loops all, no Python code per byte.
@@ -178,7 +179,7 @@ def canonical_body(body: bytes, canonicalization: Canonicalization, max_depth: i
     """
     if b"\x00" in body:  # NUL: UTF-16/32, not UTF-8
         body = _utf8(body)
-    if max_depth is not None:
+    if max_depth is not None and len(body) > 2 * max_depth:  # shorter: cannot be deeper
         _check_depth(body, max_depth)
     if canonicalization is Canonicalization.JCS:
         fast = _jcs_by_stdlib(body)
