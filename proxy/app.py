@@ -29,6 +29,7 @@ from proxy.errors import (
     BadRequest,
     CallerLeft,
     InvalidPath,
+    MethodNotImplemented,
     OffloadUnavailable,
     OutcomeUnknown,
     ProxyError,
@@ -69,6 +70,9 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # The longest one store operation takes with its own retries (Redis: three attempts of a
 # 2 s socket timeout with backoff; SQLite: a 5 s busy timeout): a claim, then a conclusion.
 STORE_OPERATION_SECONDS = 7.0
+# Methods never forwarded (501): the proxy is not a tunnel, and TRACE would echo the
+# caller's headers, and those the proxy adds, back.
+NEVER_FORWARDED = frozenset({"CONNECT", "TRACE"})
 
 _ERROR_OUTCOMES: dict[type[ProxyError], Outcome] = {
     RequestInProgress: Outcome.CONFLICT,
@@ -158,6 +162,7 @@ class Proxy:
             if r.idempotency is not None
         }
         self.max_body = config.limits.max_body_bytes
+        self.max_json_depth = config.limits.max_json_depth
         self.auth = Authenticator(config.auth) if config.auth else None
         self.tokens = _downstream_tokens(config, store)
 
@@ -199,6 +204,8 @@ class Proxy:
 
     async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
+        if request.method in NEVER_FORWARDED:
+            raise MethodNotImplemented(f"{request.method} is never forwarded by this proxy")
         if ABSOLUTE_FORM in scope.get("extensions", {}):
             raise InvalidPath(
                 "absolute-form request targets are refused: this is not a forward proxy"
@@ -227,6 +234,7 @@ class Proxy:
                 request.header(b"content-type"),
                 principal,
                 _target(scope),
+                max_depth=self.max_json_depth,
             )
         once = op is not None  # a guarded call is never sent twice
 
@@ -477,6 +485,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             Exception: on_unexpected,
         },
     )
+    # '/_proxy/healthz/' is a 404, not a redirect to a Location built from the Host header
+    admin.router.redirect_slashes = False
     return App(proxy, admin)
 
 

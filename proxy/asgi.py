@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from proxy.errors import CallerLeft
+from proxy.errors import CallerLeft, InvalidHeader, InvalidIdempotencyKey
 
 RawHeaders = list[tuple[bytes, bytes]]
 
-# The request headers the proxy itself reads (the first of each, as sent).
+# The request headers the proxy itself reads. Each is one value: a repeated line with
+# another value is refused (the proxy would read one, the tool perhaps the other), and
+# Idempotency-Key, an RFC 8941 Item, may not be repeated at all.
 READ_HEADERS = frozenset({b"authorization", b"content-length", b"content-type", b"idempotency-key"})
 
 
@@ -33,10 +35,16 @@ class Incoming:
 
     @classmethod
     def of(cls, scope: Scope, receive: Receive) -> Incoming:
+        """The request; ``BadRequest`` for a header the proxy cannot pass on unchanged."""
         headers: dict[bytes, str] = {}
         for name, value in scope["headers"]:
-            if name in READ_HEADERS and name not in headers:
-                headers[name] = value.decode("latin-1")
+            if not value.isascii():
+                _check_utf8(name, value)
+            if name in READ_HEADERS:
+                if name in headers:
+                    _check_repeated(name, value, headers[name])
+                else:
+                    headers[name] = value.decode("latin-1")
         return cls(scope, receive, scope["method"], headers)
 
     def header(self, name: bytes) -> str | None:
@@ -54,6 +62,24 @@ class Incoming:
                 yield chunk
             if not message.get("more_body", False):
                 return
+
+
+def _check_utf8(name: bytes, value: bytes) -> None:
+    """Header values are forwarded as UTF-8 (aiohttp encodes text so), which is byte for
+    byte only for values that are UTF-8: any other is refused, never altered."""
+    try:
+        value.decode()
+    except UnicodeDecodeError:
+        field = name.decode("latin-1")
+        raise InvalidHeader(f"the value of {field} is not UTF-8: it cannot be forwarded") from None
+
+
+def _check_repeated(name: bytes, value: bytes, first: str) -> None:
+    if name == b"idempotency-key":
+        raise InvalidIdempotencyKey("Idempotency-Key must be sent once (one RFC 8941 Item)")
+    if value.decode("latin-1") != first:
+        field = name.decode("latin-1")
+        raise InvalidHeader(f"{field} is sent twice with different values")
 
 
 class Reply(Response):

@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port or config.server.port
     graceful = args.graceful_timeout or shutdown_seconds(config)
-    serve(args.config, host, port, args.workers, args.log_level, graceful)
+    limit = config.limits.max_header_bytes
+    serve(args.config, host, port, args.workers, args.log_level, graceful, limit)
     return 0
 
 

@@ -35,6 +35,18 @@ DEFAULT_HOST = "0.0.0.0"
 DEFAULT_PORT = 8080
 # Request bodies above this get 413 and are never forwarded (10 MiB).
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+# JSON bodies that nest arrays and objects deeper than this are refused before they are
+# parsed (400). serde_json's default; tool arguments nest a few levels (structured
+# outputs of LLM APIs allow 5 to 10), and the decoders and the RFC 8785 encoder, which
+# recurse once per level, stay far below Python's recursion limit (1000).
+DEFAULT_MAX_JSON_DEPTH = 128
+# The most that limits.max_json_depth may be: room left under Python's recursion limit.
+MAX_JSON_DEPTH_LIMIT = 512
+# A request head (request line and header lines) above this gets 431: Envoy's default
+# (60 KiB); nginx allows 32 KiB in all (4 lines of 8 KiB). Room for large bearer tokens.
+DEFAULT_MAX_HEADER_BYTES = 60 * 1024
+# The least that limits.max_header_bytes may be.
+MIN_HEADER_BYTES = 1024
 # The whole upstream exchange (connect, send, wait, read) must fit in this.
 DEFAULT_TIMEOUT = 30.0
 # Guarded by default: the non-idempotent methods.
@@ -147,6 +159,8 @@ class LimitsConfig(_Strict):
     """Request limits."""
 
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
+    max_json_depth: int = Field(default=DEFAULT_MAX_JSON_DEPTH, ge=1, le=MAX_JSON_DEPTH_LIMIT)
+    max_header_bytes: int = Field(default=DEFAULT_MAX_HEADER_BYTES, ge=MIN_HEADER_BYTES)
 
 
 class LapsedLease(StrEnum):

@@ -8,9 +8,12 @@ talks to the foreign library, with ``raise ... from exc``.
     ProxyError
     ├── BadRequest                          400
     │   ├── InvalidPath                     400  path escapes the route or is not origin-form
+    │   ├── InvalidHeader                   400  a header the proxy reads repeated with another
+    │   │                                        value, or a header value that is not UTF-8
     │   ├── MissingIdempotencyKey           400
     │   ├── InvalidIdempotencyKey           400
-    │   ├── InvalidJSONBody                 400
+    │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
+    │   ├── DuplicateJSONMember             400  an object repeats a member name (not I-JSON)
     │   └── BodyNotCanonicalizable          400
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
@@ -18,10 +21,12 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RequestInProgress                   409
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── RequestTooLarge                     413
+    ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
     ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
     │   └── KeyReusedWithOtherBody          422  a key sent again with another request
+    ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
     ├── OutcomeUnknown                      502/504  the request may have run, no answer
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
@@ -73,6 +78,14 @@ class InvalidPath(BadRequest):
     title = "Invalid request path"
 
 
+class InvalidHeader(BadRequest):
+    """A header that cannot be passed on as it is meant: Content-Type, Content-Length or
+    Authorization repeated with another value, or a value that is not UTF-8."""
+
+    slug = "invalid-header"
+    title = "Invalid request header"
+
+
 class MissingIdempotencyKey(BadRequest):
     """A guarded route requires an Idempotency-Key and none was sent."""
 
@@ -92,6 +105,14 @@ class InvalidJSONBody(BadRequest):
 
     slug = "invalid-json-body"
     title = "Body is not valid JSON"
+
+
+class DuplicateJSONMember(BadRequest):
+    """A JSON object in the body names a member twice: I-JSON (RFC 7493 2.3), the input of
+    RFC 8785, forbids it, and the tool and the hash could read different values."""
+
+    slug = "duplicate-json-member"
+    title = "Body repeats a JSON member name"
 
 
 class BodyNotCanonicalizable(BadRequest):
@@ -166,6 +187,14 @@ class RequestTooLarge(ProxyError):
     title = "Request body too large"
 
 
+class HeaderFieldsTooLarge(ProxyError):
+    """The request line and header fields are larger than limits.max_header_bytes."""
+
+    status = 431
+    slug = "request-header-fields-too-large"
+    title = "Request header fields too large"
+
+
 class CallerLeft(ProxyError):
     """The caller closed the connection before its request body was read: nothing was
     forwarded. Nobody receives the answer; 499 (nginx's "client closed request") is what
@@ -197,6 +226,15 @@ class KeyReusedWithOtherBody(UnprocessableKey):
 
     slug = "idempotency-key-reused"
     title = "Idempotency-Key was used with a different request"
+
+
+class MethodNotImplemented(ProxyError):
+    """CONNECT and TRACE: the proxy is not a tunnel, and a TRACE would echo its own
+    headers (and the ones it adds) back; they are never forwarded."""
+
+    status = 501
+    slug = "method-not-implemented"
+    title = "Method not implemented"
 
 
 class UpstreamUnreachable(ProxyError):

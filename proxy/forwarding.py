@@ -93,7 +93,9 @@ def request_headers(
     """What is sent upstream: end-to-end headers plus X-Forwarded-For/Proto/Host, and the
     given Content-Length (a streamed body) and bearer token (in place of the caller's).
 
-    ``headers`` are ASGI headers (names already lower-case).
+    ``headers`` are ASGI headers (names already lower-case), their values UTF-8
+    (``Incoming.of`` refuses others): aiohttp encodes the decoded text as UTF-8 again,
+    so the tool gets the caller's bytes.
     """
     out: list[tuple[str, str]] = []
     forwarded_for: list[str] = []
@@ -101,11 +103,11 @@ def request_headers(
     drop = _REQUEST_DROP if authorization is None else _REQUEST_DROP_WITH_TOKEN
     for name, value in filter_headers(headers, drop):
         if name == b"x-forwarded-for":
-            forwarded_for.append(value.decode("latin-1"))
+            forwarded_for.append(value.decode())
         elif name == b"host":
-            host = value.decode("latin-1")
+            host = value.decode()
         else:
-            out.append((name.decode("latin-1"), value.decode("latin-1")))
+            out.append((name.decode("latin-1"), value.decode()))
     if client:
         forwarded_for.append(client)
     if forwarded_for:

@@ -11,12 +11,14 @@ import json
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import accumulate
 from typing import Any
 
 import rfc8785
 
 from proxy.errors import (
     BodyNotCanonicalizable,
+    DuplicateJSONMember,
     InvalidIdempotencyKey,
     InvalidJSONBody,
 )
@@ -96,25 +98,89 @@ def _plain_int(text: str) -> int:
     raise _NotPlain
 
 
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members; ``DuplicateJSONMember`` if a name comes twice (RFC 7493 2.3:
+    I-JSON, the input RFC 8785 takes, has unique names, compared once unescaped)."""
+    members = dict(pairs)
+    if len(members) == len(pairs):
+        return members
+    seen: set[str] = set()
+    for name, _ in pairs:
+        if name in seen:
+            break
+        seen.add(name)
+    raise DuplicateJSONMember(f"the member name {name!r} appears more than once in an object")
+
+
 # One decoder and one encoder for the fast path (json.loads/dumps with options build new
 # ones on every call).
-_PLAIN_DECODER = json.JSONDecoder(parse_float=_refuse, parse_int=_plain_int, parse_constant=_refuse)
+_PLAIN_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_members,
+    parse_float=_refuse,
+    parse_int=_plain_int,
+    parse_constant=_refuse,
+)
+_FULL_DECODER = json.JSONDecoder(object_pairs_hook=_unique_members)
 _JCS_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+# The nesting depth of a JSON text is checked before it is parsed (the decoders and the
+# rfc8785 encoder recurse once per level). A body of at most twice the limit in bytes,
+# or with no more opening brackets than the limit, cannot be deeper: a comparison, or
+# two counts at C speed, all most bodies need. Any other body is
+# reduced to its brackets outside strings (escaped backslashes and quotes removed, then
+# everything but quotes and brackets; what lies between two quotes is then a string),
+# whose running depth is summed up: C loops all, no Python code per byte.
+_NOT_QUOTES_OR_BRACKETS = bytes(b for b in range(256) if b not in b'"[]{}')
+_DEPTH_STEP = [1 if b in b"[{" else -1 for b in range(256)]
+
+
+def json_depth(body: bytes) -> int:
+    """How deep the arrays and objects of a UTF-8 JSON text nest (brackets in strings
+    aside); for a text that is not JSON, a number that says nothing."""
+    if b"\\" in body:
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    skeleton = body.translate(None, _NOT_QUOTES_OR_BRACKETS)
+    brackets = b"".join(skeleton.split(b'"')[::2])
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
+
+
+def _check_depth(body: bytes, max_depth: int) -> None:
+    if body.count(b"[") + body.count(b"{") > max_depth and json_depth(body) > max_depth:
+        raise InvalidJSONBody(f"the body nests arrays and objects deeper than {max_depth}")
+
+
+def _utf8(body: bytes) -> bytes:
+    """A UTF-16 or UTF-32 JSON text (RFC 4627 allowed them; json.loads detects them) as
+    UTF-8, so that the depth check and the fast path read it."""
+    try:
+        return body.decode(json.detect_encoding(body), "surrogatepass").encode(
+            "utf-8", "surrogatepass"
+        )
+    except UnicodeError as exc:
+        raise InvalidJSONBody(f"the body is declared JSON but does not parse: {exc}") from exc
 
 
 def _jcs_by_stdlib(body: bytes) -> bytes | None:
     """The RFC 8785 form of a plain UTF-8 body, or None if the stdlib cannot make it."""
-    if b"\x00" in body or _BEYOND_BMP.search(body):  # NUL: UTF-16/32, not UTF-8
+    if _BEYOND_BMP.search(body):
         return None
     try:
         value = _PLAIN_DECODER.decode(body.decode())
-    except (_NotPlain, ValueError):  # an error is reported by the full path
+    except (_NotPlain, ValueError, RecursionError):  # an error is reported by the full path
         return None
     return _JCS_ENCODER.encode(value).encode()
 
 
-def canonical_body(body: bytes, canonicalization: Canonicalization) -> bytes:
-    """The canonical bytes of a JSON body (``InvalidJSONBody`` if it does not parse)."""
+def canonical_body(body: bytes, canonicalization: Canonicalization, max_depth: int | None) -> bytes:
+    """The canonical bytes of a JSON body.
+
+    ``InvalidJSONBody`` if it does not parse or nests deeper than ``max_depth`` (None:
+    no limit but Python's own), ``DuplicateJSONMember`` if an object repeats a name.
+    """
+    if b"\x00" in body:  # NUL: UTF-16/32, not UTF-8
+        body = _utf8(body)
+    if max_depth is not None and len(body) > 2 * max_depth:  # shorter: cannot be deeper
+        _check_depth(body, max_depth)
     if canonicalization is Canonicalization.JCS:
         fast = _jcs_by_stdlib(body)
         if fast is not None:
@@ -130,37 +196,50 @@ def is_json_media_type(content_type: str | None) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def fingerprint(body: bytes, content_type: str | None, canonicalization: Canonicalization) -> str:
+def fingerprint(
+    body: bytes,
+    content_type: str | None,
+    canonicalization: Canonicalization,
+    max_depth: int | None,
+) -> str:
     """SHA-256 (hex) of what the body means.
 
     - empty body: the hash of the empty string;
-    - JSON media type: the canonical JSON (a body that does not parse is a 400);
-    - no media type: canonical JSON if the body parses as JSON, else the raw bytes;
+    - JSON media type: the canonical JSON (a body that does not parse, or nests deeper
+      than ``max_depth``, is a 400);
+    - no media type: canonical JSON if the body parses as JSON (within ``max_depth``),
+      else the raw bytes;
     - any other media type: the raw bytes.
+
+    A JSON body whose objects repeat a member name is a 400 in both JSON cases.
     """
-    return hashlib.sha256(hashed_bytes(body, content_type, canonicalization)).hexdigest()
+    hashed = hashed_bytes(body, content_type, canonicalization, max_depth)
+    return hashlib.sha256(hashed).hexdigest()
 
 
 def hashed_bytes(
-    body: bytes, content_type: str | None, canonicalization: Canonicalization
+    body: bytes,
+    content_type: str | None,
+    canonicalization: Canonicalization,
+    max_depth: int | None,
 ) -> bytes:
     """The bytes :func:`fingerprint` hashes."""
     if not body:
         return b""
     if is_json_media_type(content_type):
-        return canonical_body(body, canonicalization)
+        return canonical_body(body, canonicalization, max_depth)
     if content_type:
         return body
     try:
-        return canonical_body(body, canonicalization)
+        return canonical_body(body, canonicalization, max_depth)
     except InvalidJSONBody:
         return body
 
 
 def _parse_json(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return _FULL_DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise InvalidJSONBody(f"the body is declared JSON but does not parse: {exc}") from exc
 
 
@@ -169,14 +248,17 @@ def composite_key(
     step: int | str,
     body: bytes | Any,
     canonicalization: Canonicalization | str = Canonicalization.JCS,
+    max_depth: int | None = None,
 ) -> str:
     """The key an agent sends for ``body`` at ``step`` of plan ``plan``.
 
-    ``body`` is either the raw request bytes or a JSON-compatible value.
+    ``body`` is either the raw request bytes or a JSON-compatible value. Bytes nested
+    deeper than ``max_depth`` are hashed as they are, as the proxy does with a body
+    without Content-Type: pass its ``limits.max_json_depth``.
     """
     mode = Canonicalization(canonicalization)
     raw = body if isinstance(body, bytes) else canonical_json(body, mode)
-    key = f"{plan}:{step}:{fingerprint(raw, None, mode)}"
+    key = f"{plan}:{step}:{fingerprint(raw, None, mode, max_depth)}"
     parse_composite(key)
     return key
 

@@ -41,16 +41,18 @@ def identify(
     content_type: str | None,
     principal: str = "",
     target: bytes = b"",
+    *,
+    max_depth: int | None = None,
 ) -> Operation | None:
     """The operation of a request to a guarded method; None if it carries no key and the
     route does not require one. Raises 400 (missing or malformed key, bad body) or 422
-    (``args_hash`` is not the body's)."""
+    (``args_hash`` is not the body's). ``max_depth`` is ``limits.max_json_depth``."""
     if header is None:
         if policy.required:
             methods = ", ".join(sorted(policy.methods))
             raise MissingIdempotencyKey(f"route {route} requires an Idempotency-Key for {methods}")
         return None
-    digest = fingerprint(body, content_type, policy.canonicalization)
+    digest = fingerprint(body, content_type, policy.canonicalization, max_depth)
     request = hashlib.sha256(b"%s\n%s" % (target, digest.encode())).hexdigest()
     scope = f"{route}|{principal}"
     if policy.key is KeyKind.COMPOSITE:

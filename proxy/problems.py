@@ -47,6 +47,21 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
     return Response(body, exc.status_code, headers=exc.headers, media_type=MEDIA_TYPE)
 
 
+def raw_problem_response(exc: ProxyError) -> bytes:
+    """``exc`` as a whole HTTP/1.1 response, for the protocol layer: a request the HTTP
+    parser refused, or a head above the limit, answered before any ASGI app sees it.
+    The connection is closed after it."""
+    body = problem_body(exc)
+    lines = [
+        f"HTTP/1.1 {exc.status} {HTTPStatus(exc.status).phrase}",
+        f"content-type: {MEDIA_TYPE}",
+        f"content-length: {len(body)}",
+        "connection: close",
+        *(f"{name}: {value}" for name, value in exc.headers.items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
 def internal_error_response() -> Response:
     """Last resort: a bug. The caller gets a problem document, never a traceback."""
     body = json.dumps(

@@ -1,7 +1,8 @@
 """Route matching: the longest ``path_prefix`` wins; only safe origin-form paths pass.
 
 Only configured routes are forwarded, so tool-proxy is never an open proxy:
-absolute-form targets, dot segments and encoded slashes are rejected before matching.
+absolute-form targets, dot segments, empty segments (``//``) and encoded slashes are
+rejected before matching, so the upstream URL is always the route's base and a path.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def check_path(path: str, raw_path: bytes) -> None:
         raise InvalidPath("encoded '/' or '\\' are not allowed in the path")
     if "/." in path and any(seg in (".", "..") for seg in path.split("/")):
         raise InvalidPath("dot segments ('.', '..') are not allowed in the path")
+    if "//" in path:  # '//host/x' appended to a base reads as another authority to some
+        raise InvalidPath("empty path segments ('//') are not allowed in the path")
     if "\x00" in path:
         raise InvalidPath("NUL is not allowed in the path")
 

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 from typing import Any, cast
 
 import uvicorn
+from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
-from proxy.config import ENV_CONFIG
+from proxy.config import DEFAULT_MAX_HEADER_BYTES, ENV_CONFIG
+from proxy.errors import BadRequest, HeaderFieldsTooLarge, ProxyError
 from proxy.logs import ENV_LOG_LEVEL
+from proxy.problems import raw_problem_response
 from proxy.routes import ABSOLUTE_FORM
 
 
@@ -51,23 +56,96 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+class _Refused(Exception):
+    """Raised in a parser callback to stop httptools: the request has been refused."""
+
+
 class ProxyHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with two changes.
+    """uvicorn's httptools protocol with four changes.
 
     - Requests whose target is not origin-form are marked: httptools keeps only the path
       of ``GET http://host/path HTTP/1.1``; the app must know the target was absolute-form
       to refuse it, so this sets a scope extension.
     - The transport is a :class:`CoalescingTransport`: one write per response.
+    - The request head (request line and header lines) is limited to ``max_header_bytes``
+      (431). httptools hands a header over only once it is whole, so the bytes are counted
+      as they arrive: a head is refused as soon as the chunks received wholly inside it
+      pass the limit, and once complete if its lines do. At most the limit and two reads
+      of the socket are ever buffered.
+    - A request the HTTP parser refuses gets a problem+json 400, not uvicorn's plain text.
+      That overrides ``send_400_response``, uvicorn's own (tests/test_server.py fails if
+      uvicorn stops calling it so).
     """
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.max_header_bytes = max_header_bytes
+        self._head_bytes: int | None = None  # None: not inside a request head
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, CoalescingTransport(transport)))
 
+    def data_received(self, data: bytes) -> None:
+        if self._refused:  # answered, the connection is closing
+            return
+        inside = self._head_bytes is not None
+        super().data_received(data)
+        if inside and self._head_bytes is not None and not self._refused:
+            self._head_bytes += len(data)  # a chunk all of whose bytes are head
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse(self._too_large())
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        if self._head_size() > self.max_header_bytes:
+            self._refuse(self._too_large())
+            raise _Refused  # stops the parser; uvicorn then calls send_400_response
         if not self.url.startswith(b"/"):
             scope = cast(dict[str, Any], self.scope)
             scope.setdefault("extensions", {})[ABSOLUTE_FORM] = {}
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its parser refused, as a problem document; if a
+        response is being sent on the connection (a pipelined request after it is
+        malformed), nothing can be said any more: the connection is closed."""
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._refused = True
+            self.transport.close()
+            return
+        self._refuse(BadRequest("the request is not valid HTTP/1.1; the HTTP parser refused it"))
+
+    def _head_size(self) -> int:
+        """The head's size as parsed: request line, header lines, the blank line."""
+        line = len(self.parser.get_method()) + len(self.url) + len(b"  HTTP/1.1\r\n")
+        return line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
+
+    def _too_large(self) -> HeaderFieldsTooLarge:
+        return HeaderFieldsTooLarge(
+            f"the request line and headers are over the limit of {self.max_header_bytes} bytes"
+        )
+
+    def _refuse(self, exc: ProxyError) -> None:
+        """Answer ``exc`` once and close the connection; nothing more is parsed."""
+        if self._refused:
+            return
+        self._refused = True
+        self.transport.write(raw_problem_response(exc))
+        self.transport.close()
 
 
 def serve(
@@ -77,6 +155,7 @@ def serve(
     workers: int,
     log_level: str,
     graceful_seconds: float,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
 ) -> None:
     """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first.
 
@@ -84,7 +163,11 @@ def serve(
     streaming to a caller that stopped reading, say) and cancels them; a guarded call
     still in flight then (a 401 retry, a slow token endpoint) is cancelled too, and
     recorded FAILED (outcome unknown), never left to run again.
+
+    ``max_header_bytes`` reaches the protocol as an argument bound to its class (a
+    partial: it survives the pickling that hands the configuration to worker processes).
     """
+    protocol = functools.partial(ProxyHttpProtocol, max_header_bytes=max_header_bytes)
     if config_path:
         os.environ[ENV_CONFIG] = os.path.abspath(config_path)
     os.environ[ENV_LOG_LEVEL] = log_level
@@ -95,7 +178,8 @@ def serve(
         port=port,
         workers=workers if workers > 1 else None,
         loop="uvloop",
-        http=ProxyHttpProtocol,
+        http=cast(type[asyncio.Protocol], protocol),
+        ws="none",  # not a WebSocket proxy: no library's own plain-text 403 either
         log_level=log_level,
         access_log=False,
         server_header=False,

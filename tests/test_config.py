@@ -6,9 +6,12 @@ import pytest
 
 from proxy.config import (
     DEFAULT_LOCK_TTL,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_JSON_DEPTH,
     DEFAULT_STORE_URL,
     ENV_CONFIG,
     ENV_STORE_URL,
+    MAX_JSON_DEPTH_LIMIT,
     load_config,
     parse_config,
     parse_duration,
@@ -109,3 +112,15 @@ def test_environment_overrides(tmp_path: Path) -> None:
         load_config(env={})
     with pytest.raises(ConfigError, match=r"store\.url"):
         load_config(path, env={ENV_STORE_URL: "postgres://x"})
+
+
+def test_input_limits_have_defaults_and_bounds() -> None:
+    limits = parse_config({"routes": [ROUTE]}, env={}).limits
+    assert limits.max_json_depth == DEFAULT_MAX_JSON_DEPTH
+    assert limits.max_header_bytes == DEFAULT_MAX_HEADER_BYTES
+    bad = {"max_json_depth": MAX_JSON_DEPTH_LIMIT + 1, "max_header_bytes": 100}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": [ROUTE], "limits": bad}, env={})
+    fields = " ".join(caught.value.problems)
+    assert "limits.max_json_depth" in fields
+    assert "limits.max_header_bytes" in fields

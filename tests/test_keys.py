@@ -8,13 +8,20 @@ from typing import Any
 import pytest
 import rfc8785
 
-from proxy.errors import BodyNotCanonicalizable, InvalidIdempotencyKey, InvalidJSONBody
+from proxy.config import DEFAULT_MAX_JSON_DEPTH
+from proxy.errors import (
+    BodyNotCanonicalizable,
+    DuplicateJSONMember,
+    InvalidIdempotencyKey,
+    InvalidJSONBody,
+)
 from proxy.keys import (
     Canonicalization,
     canonical_body,
     canonical_json,
     composite_key,
     fingerprint,
+    json_depth,
     parse_composite,
     parse_opaque,
     unquote,
@@ -23,6 +30,7 @@ from proxy.keys import (
 JCS = Canonicalization.JCS
 PY = Canonicalization.PYTHON_JSON
 HASH = "ab" * 32
+DEPTH = DEFAULT_MAX_JSON_DEPTH
 
 
 def sha(data: bytes) -> str:
@@ -80,7 +88,7 @@ def _reference(body: bytes) -> bytes | type[Exception]:
 
 def _ours(body: bytes) -> bytes | type[Exception]:
     try:
-        return canonical_body(body, JCS)
+        return canonical_body(body, JCS, DEPTH)
     except BodyNotCanonicalizable:
         return BodyNotCanonicalizable
 
@@ -114,31 +122,96 @@ def test_canonical_body_agrees_with_rfc8785_on_generated_values() -> None:
     ],
 )
 def test_canonical_body_examples(body: bytes, expected: bytes) -> None:
-    assert canonical_body(body, JCS) == expected
+    assert canonical_body(body, JCS, DEPTH) == expected
 
 
 @pytest.mark.parametrize("body", [b"NaN", b"[Infinity]", b"9007199254740992", b'"\\ud800"'])
 def test_canonical_body_refuses_what_rfc8785_refuses(body: bytes) -> None:
     with pytest.raises(BodyNotCanonicalizable):
-        canonical_body(body, JCS)
+        canonical_body(body, JCS, DEPTH)
 
 
 def test_canonical_body_refuses_text_that_is_not_json() -> None:
     with pytest.raises(InvalidJSONBody):
-        canonical_body(b"{not json", JCS)
+        canonical_body(b"{not json", JCS, DEPTH)
 
 
 def test_fingerprint_rules() -> None:
-    assert fingerprint(b"", "application/json", JCS) == sha(b"")
-    assert fingerprint(b'{"b":1, "a":2}', "application/json", JCS) == sha(b'{"a":2,"b":1}')
-    assert fingerprint(b'{"b":1}', "application/vnd.api+json; charset=utf-8", JCS) == sha(
+    assert fingerprint(b"", "application/json", JCS, DEPTH) == sha(b"")
+    assert fingerprint(b'{"b":1, "a":2}', "application/json", JCS, DEPTH) == sha(b'{"a":2,"b":1}')
+    assert fingerprint(b'{"b":1}', "application/vnd.api+json; charset=utf-8", JCS, DEPTH) == sha(
         b'{"b":1}'
     )
-    assert fingerprint(b'{"b":1, "a":2}', None, JCS) == sha(b'{"a":2,"b":1}')
-    assert fingerprint(b"not json", None, JCS) == sha(b"not json")
-    assert fingerprint(b'{"b":1, "a":2}', "text/plain", JCS) == sha(b'{"b":1, "a":2}')
+    assert fingerprint(b'{"b":1, "a":2}', None, JCS, DEPTH) == sha(b'{"a":2,"b":1}')
+    assert fingerprint(b"not json", None, JCS, DEPTH) == sha(b"not json")
+    assert fingerprint(b'{"b":1, "a":2}', "text/plain", JCS, DEPTH) == sha(b'{"b":1, "a":2}')
     with pytest.raises(InvalidJSONBody):
-        fingerprint(b"{nope", "application/json", JCS)
+        fingerprint(b"{nope", "application/json", JCS, DEPTH)
+
+
+def _nested(depth: int) -> bytes:
+    """Objects and arrays in turn, ``depth`` deep."""
+    opens = [b'{"a":' if level % 2 else b"[" for level in range(depth)]
+    closes = [b"}" if level % 2 else b"]" for level in reversed(range(depth))]
+    return b"".join([*opens, b"1", *closes])
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("mode", [JCS, PY])
+def test_a_body_nested_deeper_than_the_limit_is_invalid_json(mode: Canonicalization) -> None:
+    assert json_depth(_nested(8)) == 8
+    assert canonical_body(_nested(8), mode, 8)
+    with pytest.raises(InvalidJSONBody, match="deeper than 8"):
+        canonical_body(_nested(9), mode, 8)
+    attack = b"[" * 1000 + b"]" * 1000  # a 2 KB body that made the decoders recurse 1000 deep
+    with pytest.raises(InvalidJSONBody):
+        fingerprint(attack, "application/json", mode, DEPTH)
+    with pytest.raises(InvalidJSONBody):  # no limit: Python's own, still a 400
+        fingerprint(b"[" * 100_000 + b"]" * 100_000, "application/json", mode, None)
+    assert fingerprint(attack, None, mode, DEPTH) == sha(attack)  # not JSON to the proxy
+
+
+def test_brackets_in_strings_do_not_count_towards_the_depth() -> None:
+    body = json.dumps({"text": "[{" * 300 + '\\" ]]', "list": [[1]]}).encode()
+    assert json_depth(body) == 3
+    assert canonical_body(body, JCS, 3) == rfc8785.dumps(json.loads(body))
+    utf16 = json.dumps({"a": [[[1]]], "t": "[[[[[["}).encode("utf-16")
+    assert canonical_body(utf16, JCS, 4)
+    with pytest.raises(InvalidJSONBody):
+        canonical_body(utf16, JCS, 3)
+
+
+def test_json_depth_is_the_nesting_of_generated_values() -> None:
+    rng = random.Random(7493)
+    for _ in range(1000):
+        value = _value(rng)
+        for body in (json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()):
+            assert json_depth(body) == _depth(value), body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"amount":1,"amount":1000}',  # the stdlib fast path
+        b'{"amount":1.5,"amount":1000}',  # a float: the rfc8785 path
+        b'{"a":1,"\\u0061":2}',  # the same name once unescaped
+        b'[{"x":{"k":true,"k":false}}]',  # nested
+    ],
+)
+@pytest.mark.parametrize("mode", [JCS, PY])
+@pytest.mark.parametrize("content_type", ["application/json", None])
+def test_duplicate_member_names_are_refused(
+    body: bytes, mode: Canonicalization, content_type: str | None
+) -> None:
+    with pytest.raises(DuplicateJSONMember):
+        fingerprint(body, content_type, mode, DEPTH)
 
 
 def test_composite_key_round_trip() -> None:

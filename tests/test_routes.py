@@ -26,6 +26,8 @@ def test_longest_prefix_wins_on_segment_boundaries() -> None:
     [
         ("/a/../b", b"/a/../b"),
         ("/a/./b", b"/a/./b"),
+        ("//evil.example/x", b"//evil.example/x"),
+        ("/a//b", b"/a//b"),
         ("/a/b", b"/a%2fb"),
         ("/a\\b", b"/a%5Cb"),
         ("a", b"a"),

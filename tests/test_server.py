@@ -1,12 +1,16 @@
-"""The server glue: one write per response (CoalescingTransport)."""
+"""The server glue: one write per response (CoalescingTransport), the head limit and
+the parser's refusals as problem documents (ProxyHttpProtocol)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from proxy.server import CoalescingTransport, ProxyHttpProtocol
@@ -91,3 +95,116 @@ async def test_the_server_protocol_writes_through_a_coalescing_transport() -> No
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     raise AssertionError("not called")
+
+
+def _protocol(max_header_bytes: int) -> tuple[ProxyHttpProtocol, RecordingTransport]:
+    """The protocol on a recording transport; its app is never to be called."""
+    config = uvicorn.Config(app=_app, http=ProxyHttpProtocol, loop="none", log_level="error")
+    config.load()
+    protocol = ProxyHttpProtocol(
+        config, ServerState(), app_state={}, max_header_bytes=max_header_bytes
+    )
+    inner = RecordingTransport()
+    protocol.connection_made(inner)  # type: ignore[arg-type]
+    return protocol, inner
+
+
+def _answer(inner: RecordingTransport) -> tuple[int, dict[str, Any]]:
+    """The status and problem document the protocol wrote (one write, then closed)."""
+    assert inner.closed
+    (written,) = [b"".join(call) for call in inner.calls]
+    head, body = written.split(b"\r\n\r\n", 1)
+    assert b"content-type: application/problem+json" in head.split(b"\r\n")
+    assert b"connection: close" in head.split(b"\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.anyio
+async def test_a_head_over_the_limit_is_refused_while_it_arrives() -> None:
+    protocol, inner = _protocol(4096)
+    protocol.data_received(b"POST /tools/x HTTP/1.1\r\nHost: a\r\nX-Big: ")
+    protocol.data_received(b"a" * 3000)
+    await _step()
+    assert inner.calls == []  # 3000 bytes of head so far: under the limit
+    protocol.data_received(b"a" * 3000)  # the value is not complete: httptools still holds it
+    protocol.data_received(b"a" * 10_000_000)  # ignored: the answer is out
+    await _step()
+    status, problem = _answer(inner)
+    assert status == 431
+    assert problem["type"] == "urn:tool-proxy:problem:request-header-fields-too-large"
+    assert not protocol.tasks  # no request reached the app
+
+
+@pytest.mark.anyio
+async def test_a_head_over_the_limit_that_arrives_at_once_is_refused() -> None:
+    protocol, inner = _protocol(4096)
+    headers = b"".join(b"X-%d: %s\r\n" % (n, b"v" * 100) for n in range(40))  # 4.4 KB
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n" + headers + b"\r\n")
+    await _step()
+    assert _answer(inner)[0] == 431
+    assert not protocol.tasks  # no request reached the app
+
+
+@pytest.mark.anyio
+async def test_a_head_just_under_the_limit_passes() -> None:
+    protocol, inner = _protocol(4096)
+    head = b"GET / HTTP/1.1\r\nHost: a\r\nX-Pad: "
+    head += b"v" * (4096 - len(head) - 4) + b"\r\n\r\n"
+    assert len(head) == 4096
+    protocol.data_received(head[:100])
+    protocol.data_received(head[100:4000])
+    protocol.data_received(head[4000:])
+    assert inner.calls == [] and not inner.closed
+    assert protocol.scope["path"] == "/"  # parsed: the request went on to the app
+    for task in protocol.tasks:
+        task.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_request_the_parser_refuses_gets_a_problem_document() -> None:
+    protocol, inner = _protocol(4096)
+    protocol.data_received(
+        b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+    )
+    await _step()
+    status, problem = _answer(inner)
+    assert status == 400
+    assert problem["type"] == "urn:tool-proxy:problem:bad-request"
+
+
+def test_uvicorn_still_answers_parser_errors_through_send_400_response() -> None:
+    """ProxyHttpProtocol overrides uvicorn's send_400_response (not a public API): if
+    uvicorn renames it or stops calling it on a parser error, this fails."""
+    source = inspect.getsource(HttpToolsProtocol.data_received)
+    assert "except httptools.HttpParserError" in source
+    assert "self.send_400_response(" in source
+    assert list(inspect.signature(HttpToolsProtocol.send_400_response).parameters) == [
+        "self",
+        "msg",
+    ]
+
+
+@pytest.mark.anyio
+async def test_a_parser_error_during_a_response_closes_without_a_second_answer() -> None:
+    started = asyncio.Event()
+
+    async def streaming(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        started.set()
+        await asyncio.Event().wait()  # the body never comes
+
+    config = uvicorn.Config(app=streaming, http=ProxyHttpProtocol, loop="none", log_level="error")
+    config.load()
+    protocol = ProxyHttpProtocol(config, ServerState(), app_state={})
+    inner = RecordingTransport()
+    protocol.connection_made(inner)  # type: ignore[arg-type]
+    protocol.data_received(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await started.wait()
+    protocol.data_received(b"GARBAGE\r\n\r\n")  # a malformed request pipelined behind it
+    await _step()
+    written = b"".join(b"".join(call) for call in inner.calls)
+    assert written.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b" 400 " not in written
+    assert inner.closed
+    for task in protocol.tasks:
+        task.cancel()
