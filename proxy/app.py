@@ -46,6 +46,7 @@ from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
+from proxy.reconcile import Lookup
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
@@ -247,8 +248,27 @@ class Proxy:
             trace.outcome = Outcome.PASSED
             return await self._relay(request, await forward())
         trace.key = op.label
-        response, trace.outcome = await guard.run(op, forward)
+        lookup = None if route.reconcile is None else self._lookup(request, route, identity)
+        response, trace.outcome = await guard.run(op, forward, lookup)
         return response
+
+    def _lookup(self, request: Incoming, route: RouteConfig, identity: str) -> Lookup:
+        """The route's reconcile look-up for this caller: its Idempotency-Key and its
+        credentials (or the route's downstream token), nothing of its body."""
+
+        async def lookup(method: str, target: str, seconds: float) -> UpstreamResponse:
+            headers = [("Idempotency-Key", request.header(b"idempotency-key") or "")]
+            authorization = request.header(b"authorization")
+            if self.tokens is not None and self.tokens.applies(route.name):
+                subject = bearer_token(authorization)
+                token = await self.tokens.token(route.name, identity, subject)
+                authorization = f"Bearer {token}"
+            if authorization:
+                headers.append(("Authorization", authorization))
+            url = route.upstream + target
+            return await self.upstream.send(method, url, headers, b"", seconds, at_most_once=True)
+
+        return lookup
 
     async def _forward_with_token(
         self, request: Incoming, route: RouteConfig, body: bytes, identity: str, once: bool

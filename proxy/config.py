@@ -78,6 +78,12 @@ DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 # SQLite: the database's directory; memory:// keeps no journal).
 DEFAULT_STATE_DIR = "/var/lib/tool-proxy"
 
+# How long a reconcile look-up may take, and how often a proxy asks again about one FAILED
+# record when retries meet it (at least RECONCILE_INTERVAL apart).
+DEFAULT_RECONCILE_TIMEOUT = 5.0
+DEFAULT_RECONCILE_RETRIES = 3
+DEFAULT_RECONCILE_INTERVAL = 5.0
+
 # Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
 RESERVED_PREFIX = "/_proxy"
 
@@ -214,6 +220,57 @@ class IdempotencyConfig(_Strict):
         return self
 
 
+_RECONCILE_FIELDS = frozenset({"key", "plan", "step", "args_hash"})
+_PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+class ReconcileConfig(_Strict):
+    """How to ask the tool whether a call whose outcome is unknown ran."""
+
+    method: str = "GET"
+    path: str
+    found: tuple[int, ...] = (200,)
+    not_found: tuple[int, ...] = (404,)
+    timeout: Duration = DEFAULT_RECONCILE_TIMEOUT
+    retries: int = Field(default=DEFAULT_RECONCILE_RETRIES, ge=0, le=100)
+    interval: Duration = DEFAULT_RECONCILE_INTERVAL
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, method: str) -> str:
+        if not _METHOD.fullmatch(method.upper()):
+            raise ValueError(f"not an HTTP method: {method!r}")
+        return method.upper()
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, path: str) -> str:
+        if not path.startswith("/") or "//" in path.split("?", 1)[0]:
+            raise ValueError("must start with '/' (a path and query on the route's upstream)")
+        unknown = set(_PLACEHOLDER.findall(path)) - _RECONCILE_FIELDS
+        if unknown:
+            names = ", ".join("{" + n + "}" for n in sorted(_RECONCILE_FIELDS))
+            raise ValueError(f"unknown placeholder {sorted(unknown)[0]!r}: use {names}")
+        return path
+
+    @field_validator("found", "not_found")
+    @classmethod
+    def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
+        for status in statuses:
+            if not 100 <= status <= 599:
+                raise ValueError(f"not an HTTP status: {status}")
+        return statuses
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> ReconcileConfig:
+        if both := set(self.found) & set(self.not_found):
+            raise ValueError(f"status {min(both)} cannot be both found and not_found")
+        return self
+
+    def placeholders(self) -> set[str]:
+        return set(_PLACEHOLDER.findall(self.path))
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -225,6 +282,20 @@ class RouteConfig(_Strict):
     idempotency: IdempotencyConfig | None = None
     auth: RouteAuthConfig | None = None
     token: TokenConfig | None = None
+    reconcile: ReconcileConfig | None = None
+
+    @model_validator(mode="after")
+    def _reconcile_needs_keys(self) -> RouteConfig:
+        if self.reconcile is None:
+            return self
+        if self.idempotency is None:
+            raise ValueError("reconcile: needs idempotency (it settles unknown outcomes)")
+        composite_only = self.reconcile.placeholders() - {"key"}
+        if self.idempotency.key is KeyKind.OPAQUE and composite_only:
+            raise ValueError(
+                f"reconcile.path: {{{min(composite_only)}}} needs composite keys; use {{key}}"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

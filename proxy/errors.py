@@ -29,6 +29,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
     ├── OutcomeUnknown                      502/504  the request may have run, no answer
+    ├── NotExecuted                         502/504  the tool says it did not run: released
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
     ├── OffloadUnavailable                  503  the object store failed (internal)
     ├── StoreUnavailable                    503  the store cannot be reached
@@ -261,6 +262,19 @@ class OutcomeUnknown(ProxyError):
         self, detail: str, *, status: int = 502, headers: dict[str, str] | None = None
     ) -> None:
         super().__init__(detail, headers=headers)
+        self.status = status
+
+
+class NotExecuted(ProxyError):
+    """The call failed (timeout, broken connection) and the tool's reconcile look-up says
+    it did not run: the key is released, and a retry executes it."""
+
+    status = 502
+    slug = "not-executed"
+    title = "The call was not executed"
+
+    def __init__(self, detail: str, *, status: int = 502) -> None:
+        super().__init__(detail)
         self.status = status
 
 

@@ -43,6 +43,7 @@ from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, LapsedLea
 from proxy.errors import (
     IdentityProviderUnavailable,
     KeyReusedWithOtherBody,
+    NotExecuted,
     OffloadUnavailable,
     OutcomeUnknown,
     ProxyError,
@@ -59,6 +60,7 @@ from proxy.metrics import Metrics
 from proxy.offload import STREAM_CHUNK_BYTES, Offload, Spool
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
+from proxy.reconcile import Finding, Lookup, Reconciler
 from proxy.replay import Replayer, reply
 from proxy.store import Record, State, Store
 
@@ -120,6 +122,8 @@ class Verdict:
 
 
 RELEASE = Verdict(None)
+# A FAILED record a reconcile look-up could not settle: replay it as it is.
+UNSETTLED = Verdict(None, State.FAILED)
 # What a retry gets for a call whose lease lapsed with nothing recorded.
 LAPSED = StoredResponse.of_problem(
     OutcomeUnknown(
@@ -190,13 +194,14 @@ class Tee:
 class Lease:
     """One claim held by a call in this process; ``stop`` ends its renewals."""
 
-    __slots__ = ("_leases", "op", "owner", "stopped")
+    __slots__ = ("_leases", "lookup", "op", "owner", "stopped")
 
     def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
         self._leases = leases
         self.op = op
         self.owner = owner
         self.stopped = False
+        self.lookup: Lookup | None = None
 
     def stop(self) -> None:
         """No more renewals."""
@@ -271,6 +276,11 @@ class Guard:
     ) -> None:
         self.route = route
         self.journal = journal
+        self.reconciler = (
+            None
+            if route.reconcile is None
+            else Reconciler(route.name, route.reconcile, log, metrics or Metrics())
+        )
         self.policy = policy
         self.store = store
         self.tasks = tasks
@@ -290,8 +300,11 @@ class Guard:
     def guards(self, method: str) -> bool:
         return method in self._methods
 
-    async def run(self, op: Operation, forward: Forward) -> tuple[Response, Outcome]:
-        """Execute once, replay, or refuse as a conflict."""
+    async def run(
+        self, op: Operation, forward: Forward, lookup: Lookup | None = None
+    ) -> tuple[Response, Outcome]:
+        """Execute once, replay, or refuse as a conflict. ``lookup`` sends the route's
+        reconcile look-up (with the caller's credentials), when it has one."""
         owner = OWNERS.new()
         policy = self.policy
         loop = asyncio.get_running_loop()
@@ -308,14 +321,21 @@ class Guard:
             if claim.record is None:
                 break
             stored = self._existing(claim.record, op, deadline - loop.time())
-            if stored is not None:
-                return await self.replayer.response(op.label, stored), Outcome.REPLAYED
-            await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
+            if stored is None:
+                await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
+                continue
+            if claim.record.state is State.FAILED and lookup is not None:
+                settled = await self._reconcile_failed(op, lookup)
+                if settled is RELEASE:
+                    continue  # the tool says it did not run: claim it and execute
+                stored = settled.stored or stored
+            return await self.replayer.response(op.label, stored), Outcome.REPLAYED
         if claim.previous is not None:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
         lease = self._leases.hold(op, owner)
+        lease.lookup = lookup
         self.tasks.enter()
         try:
             return await self._execute(lease, forward)
@@ -353,7 +373,7 @@ class Guard:
         except Exception as exc:  # the proxy's own failure, the request perhaps sent
             return await self._unknown(lease, self._lost(lease, "failed", repr(exc)))
         except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
-            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
+            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
             raise
         except BaseException:
             lease.stop()
@@ -374,7 +394,7 @@ class Guard:
             failure = verdict.stored or StoredResponse.of_problem(problem)
             return reply(failure, replayed=False), verdict.outcome
         except asyncio.CancelledError:
-            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
+            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
             raise
         verdict = await self._verdict(lease, upstream, body)
         await self._conclude(lease, verdict)
@@ -390,11 +410,48 @@ class Guard:
             status=502,
         )
 
-    async def _unknown(self, lease: Lease, exc: OutcomeUnknown) -> tuple[Response, Outcome]:
-        """Record that the outcome is unknown: replayed, never run again."""
+    async def _unknown(
+        self, lease: Lease, exc: OutcomeUnknown, *, ask: bool = True
+    ) -> tuple[Response, Outcome]:
+        """Record that the outcome is unknown (replayed, never run again), unless the
+        route's reconcile look-up says the call ran (its answer is recorded) or did not
+        (the key is released)."""
         failure = StoredResponse.of_problem(exc)
+        if ask and self.reconciler is not None and lease.lookup is not None:
+            finding, found = await self.reconciler.ask(lease.op, lease.lookup, "at_failure")
+            if finding is Finding.FOUND and found is not None:
+                await self._conclude(lease, Verdict(found))
+                return reply(found, replayed=False), Outcome.EXECUTED
+            if finding is Finding.NOT_FOUND:
+                await self._conclude(lease, RELEASE)
+                not_run = NotExecuted(
+                    f"{exc.detail}; the tool says it did not run it: a retry executes it",
+                    status=exc.status,
+                )
+                return reply(StoredResponse.of_problem(not_run), replayed=False), Outcome.RELEASED
         await self._conclude(lease, Verdict(failure, State.FAILED))
         return reply(failure, replayed=False), Outcome.FAILED
+
+    async def _reconcile_failed(self, op: Operation, lookup: Lookup) -> Verdict:
+        """A retry met a FAILED record: ask the tool again (bounded) and settle the record
+        with what it says. The verdict's response (None: keep replaying the failure), or
+        RELEASE once the record is released."""
+        assert self.reconciler is not None
+        if not self.reconciler.may_ask_again(op.key):
+            return UNSETTLED
+        finding, found = await self.reconciler.ask(op, lookup, "on_retry")
+        if finding is Finding.UNKNOWN or (finding is Finding.FOUND and found is None):
+            return UNSETTLED
+        payload = b"" if found is None else found.encode()
+        state = None if found is None else State.COMPLETED
+        try:
+            settled = await self.store.settle(op.key, state, payload, self.policy.result_ttl)
+        except StoreUnavailable as exc:
+            self.log.warning("reconcile_not_settled", route=self.route.name, error=exc.detail)
+            return Verdict(found) if found is not None else UNSETTLED
+        if not settled:  # someone else settled it meanwhile: replay what is there
+            return UNSETTLED
+        return RELEASE if found is None else Verdict(found)
 
     def _streams(self, upstream: UpstreamResponse) -> bool:
         """True unless the body is small and of a known length: it then streams to the
@@ -455,7 +512,7 @@ class Guard:
                 tee.fail(exc)
                 return
             except asyncio.CancelledError:
-                await self._unknown(lease, self._lost(lease, "cancelled", "shut down"))
+                await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
                 raise
             await self._conclude(lease, await self._verdict(lease, upstream, spool))
             tee.end()

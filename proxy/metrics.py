@@ -71,6 +71,13 @@ class Metrics:
             ["route", "event"],
             registry=self.registry,
         )
+        self._reconciliations = Counter(
+            "tool_proxy_reconciliations",
+            "Look-ups of calls whose outcome was unknown, by route, when (at_failure, "
+            "on_retry) and result (found, not_found, unknown).",
+            ["route", "when", "result"],
+            registry=self.registry,
+        )
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -89,6 +96,10 @@ class Metrics:
     def outcome_event(self, route: str, event: str) -> None:
         """Count an event of the recording path (rare: not cached)."""
         self._outcome_events.labels(route, event).inc()
+
+    def reconciliation(self, route: str, when: str, result: str) -> None:
+        """Count one reconcile look-up."""
+        self._reconciliations.labels(route, when, result).inc()
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""
