@@ -61,6 +61,8 @@ DEFAULT_JWKS_TTL = 300.0
 DEFAULT_PRESIGN_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
+# The JWT claim holding an operator's roles (admin.role must be one of them).
+DEFAULT_ROLES_CLAIM = "roles"
 
 # Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
 RESERVED_PREFIX = "/_proxy"
@@ -341,6 +343,22 @@ class RouteAuthConfig(_Strict):
     required: bool = True
 
 
+class AdminConfig(_Strict):
+    """Operator access to ``/_proxy/admin/``: a bearer token read from a secret, or a JWT
+    from the ``auth`` issuers carrying a role."""
+
+    token_env: str | None = None
+    token_file: str | None = None
+    role: str | None = None
+    roles_claim: str = DEFAULT_ROLES_CLAIM
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> AdminConfig:
+        if sum(v is not None for v in (self.token_env, self.token_file, self.role)) != 1:
+            raise ValueError("set exactly one of token_env, token_file and role")
+        return self
+
+
 class Config(_Strict):
     """The whole file."""
 
@@ -350,6 +368,13 @@ class Config(_Strict):
     server: ServerConfig = ServerConfig()
     limits: LimitsConfig = LimitsConfig()
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
+    admin: AdminConfig | None = None
+
+    @model_validator(mode="after")
+    def _admin_role_needs_auth(self) -> Config:
+        if self.admin is not None and self.admin.role is not None and self.auth is None:
+            raise ValueError("admin.role: needs a top-level auth section with trusted issuers")
+        return self
 
     @model_validator(mode="after")
     def _unique_routes(self) -> Config:
