@@ -19,6 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from proxy import logs
+from proxy.admin import record_routes
 from proxy.asgi import Incoming, Reply
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
@@ -46,13 +47,13 @@ from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
-from proxy.reconcile import Lookup
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
     internal_error_response,
     problem_response,
 )
+from proxy.reconcile import Lookup
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
 from proxy.store import Store, make_store
 
@@ -497,6 +498,7 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             Route(f"{ADMIN_PREFIX}healthz", proxy.healthz, methods=["GET", "HEAD"]),
             Route(f"{ADMIN_PREFIX}readyz", proxy.readyz, methods=["GET", "HEAD"]),
             Route(f"{ADMIN_PREFIX}metrics", proxy.metrics.endpoint, methods=["GET"]),
+            *record_routes(config, proxy.store, proxy.auth, proxy.log, ADMIN_PREFIX),
         ],
         lifespan=lifespan,
         exception_handlers={

@@ -1,21 +1,33 @@
-"""``tool-proxy``: serve, check-config, key, demo."""
+"""``tool-proxy``: serve, check-config, key, demo, records."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import getpass
+import json
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import structlog
+
+from proxy import records
 from proxy.auth.sealing import load_key
 from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
-from proxy.errors import ConfigError, ProxyError
+from proxy.errors import ConfigError, InvalidField, ProxyError
 from proxy.keys import Canonicalization, composite_key, is_key_part
 from proxy.metrics import ENV_MULTIPROC_DIR
+from proxy.outcome import StoredResponse
+from proxy.store import Store, make_store
 
 EXIT_USAGE = 2
+# A records command that could not be done (no such record, not FAILED, store down).
+EXIT_FAILED = 1
 
 
 def _fail(problems: list[str]) -> int:
@@ -29,6 +41,10 @@ def _load(path: str | None) -> Config:
     load_secrets(list(config.routes))  # missing client secrets are configuration errors too
     if config.auth is not None and config.auth.token_cache_key_env:
         load_key(config.auth.token_cache_key_env)
+    if config.admin is not None:
+        from proxy.admin import load_admin_token
+
+        load_admin_token(config.admin)
     return config
 
 
@@ -92,6 +108,156 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run(port=args.port, tool_port=args.tool_port, once=args.once)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _audit_log() -> Any:
+    """JSON audit lines on stderr (stdout carries the command's JSON)."""
+    return structlog.wrap_logger(
+        structlog.PrintLogger(sys.stderr),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+
+
+def _operator() -> str:
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = str(os.getuid())
+    return f"cli user={user}"
+
+
+def _header(value: str) -> tuple[str, str]:
+    name, sep, text = value.partition(":")
+    if not sep:
+        raise InvalidField("--header", f"{value!r} is not 'name: value'")
+    return name.strip(), text.strip()
+
+
+def _answer(args: argparse.Namespace) -> StoredResponse:
+    """The response of ``resolve --as completed``, from its flags."""
+    if args.status is None:
+        raise InvalidField("--status", "required with --as completed")
+    body = b""
+    if args.body_file is not None:
+        try:
+            body = Path(args.body_file).read_bytes()
+        except OSError as exc:
+            problem = f"cannot read {args.body_file} ({exc.strerror})"
+            raise InvalidField("--body-file", problem) from None
+    headers = [_header(h) for h in args.header]
+    flags = {"status": "--status", "headers": "--header"}
+    return records.answer(args.status, headers, body, flags.__getitem__)
+
+
+def _check_records_flags(args: argparse.Namespace) -> None:
+    """Every flag of a records command checked before the store is opened."""
+    if args.action == "resolve" and args.outcome == "released":
+        given = [f for f, v in (("--status", args.status), ("--body-file", args.body_file)) if v]
+        if given or args.header:
+            raise InvalidField(given[0] if given else "--header", "only with --as completed")
+    if args.action != "list":
+        args.key = records.parse_id(args.id, "ID")
+    if args.action in ("resolve", "delete"):
+        args.reason = records.check_reason(args.reason, "--reason")
+    if args.action == "resolve" and args.outcome == "completed":
+        args.response = _answer(args)
+
+
+async def _records(args: argparse.Namespace, config: Config) -> Any:
+    """Run one records command against the configured store; its JSON result."""
+    _check_records_flags(args)
+    store = make_store(config.store.url)
+    await store.open()
+    try:
+        return await _change(args, records.Records(store, config.routes, _audit_log()))
+    finally:
+        await store.close()
+
+
+async def _change(args: argparse.Namespace, desk: records.Records) -> Any:
+    if args.action == "list":
+        return await _list(args, desk.store)
+    if args.action == "show":
+        return records.record_view(await desk.get(args.key), body=args.body)
+    if args.action == "delete":
+        record = await desk.delete(args.key, args.reason, _operator())
+        return {"deleted": True, "record": records.record_view(record)}
+    if args.outcome == "released":
+        await desk.release(args.key, args.reason, _operator())
+        return {"id": args.id, "resolved": "released"}
+    record = await desk.resolve(args.key, args.response, args.reason, _operator())
+    return {"resolved": "completed", "record": records.record_view(record)}
+
+
+async def _list(args: argparse.Namespace, store: Store) -> dict[str, Any]:
+    where = records.parse_filter({f: getattr(args, f) for f in records.FILTERS}, _flag)
+    limit = records.parse_limit(args.limit, "--limit")
+    page = await records.list_records(store, where, limit, args.cursor, "--cursor")
+    found = list(page.records)
+    while args.all and page.cursor:
+        page = await records.list_records(store, where, limit, page.cursor, "--cursor")
+        found += page.records
+    return {
+        "records": [records.record_view(r) for r in found],
+        "next_cursor": page.cursor or None,
+    }
+
+
+def cmd_records(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    try:
+        result = asyncio.run(_records(args, config))
+    except InvalidField as exc:
+        return _fail([exc.detail])
+    except ProxyError as exc:
+        print(f"error: {exc.detail}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _add_records(sub: Any) -> None:
+    """``tool-proxy records list|show|resolve|delete``: the admin API, on the store itself."""
+    parser = sub.add_parser("records", help="list, show, resolve or delete idempotency records")
+    actions = parser.add_subparsers(dest="action", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML file (default: $TOOL_PROXY_CONFIG)")
+    listing = actions.add_parser("list", parents=[common], help="list records (JSON)")
+    for name in records.FILTERS:
+        listing.add_argument(_flag(name), dest=name, help=f"only records of this {name}")
+    listing.add_argument("--limit", help=f"records per page (default {records.DEFAULT_LIMIT})")
+    listing.add_argument("--cursor", default="", help="next_cursor of the previous page")
+    listing.add_argument("--all", action="store_true", help="follow the cursors to the end")
+    show = actions.add_parser("show", parents=[common], help="show one record (JSON)")
+    show.add_argument("id", help="the record's id (from list)")
+    show.add_argument("--body", action="store_true", help="include the recorded response")
+    resolve = actions.add_parser("resolve", parents=[common], help="resolve a failed record")
+    resolve.add_argument("id", help="the record's id (from list)")
+    resolve.add_argument(
+        "--as",
+        dest="outcome",
+        required=True,
+        choices=["completed", "released"],
+        help="completed: the tool ran (record this answer); released: it did not (a retry runs)",
+    )
+    resolve.add_argument("--status", type=int, help="the answer's status (--as completed)")
+    resolve.add_argument(
+        "--header", action="append", default=[], help="'name: value' of the answer (repeat)"
+    )
+    resolve.add_argument("--body-file", help="a file holding the answer's body")
+    resolve.add_argument("--reason", required=True, help="why (the audit log keeps it)")
+    delete = actions.add_parser("delete", parents=[common], help="delete a record")
+    delete.add_argument("id", help="the record's id (from list)")
+    delete.add_argument("--reason", required=True, help="why (the audit log keeps it)")
+    parser.set_defaults(func=cmd_records)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tool-proxy", description="An idempotent reverse proxy for agent tool calls."
@@ -129,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tool-port", type=int, default=9000, help="demo tool port (default 9000)")
     demo.add_argument("--once", action="store_true", help="exit after the walkthrough")
     demo.set_defaults(func=cmd_demo)
+    _add_records(sub)
     return parser
 
 

@@ -73,6 +73,8 @@ DEFAULT_JWKS_TTL = 300.0
 DEFAULT_PRESIGN_TTL = 300.0
 # Upstream statuses that are passed on but release the key, so a retry executes.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
+# The JWT claim holding an operator's roles (admin.role must be one of them).
+DEFAULT_ROLES_CLAIM = "roles"
 
 # Where the journal lives when the store is Redis and no state_dir is configured (for
 # SQLite: the database's directory; memory:// keeps no journal).
@@ -431,6 +433,22 @@ class RouteAuthConfig(_Strict):
     required: bool = True
 
 
+class AdminConfig(_Strict):
+    """Operator access to ``/_proxy/admin/``: a bearer token read from a secret, or a JWT
+    from the ``auth`` issuers carrying a role."""
+
+    token_env: str | None = None
+    token_file: str | None = None
+    role: str | None = None
+    roles_claim: str = DEFAULT_ROLES_CLAIM
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> AdminConfig:
+        if sum(v is not None for v in (self.token_env, self.token_file, self.role)) != 1:
+            raise ValueError("set exactly one of token_env, token_file and role")
+        return self
+
+
 class Config(_Strict):
     """The whole file."""
 
@@ -442,6 +460,13 @@ class Config(_Strict):
     state_dir: str | None = None
     """Where the journal of outcomes not yet recorded is kept (see ``journal_dir``)."""
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
+    admin: AdminConfig | None = None
+
+    @model_validator(mode="after")
+    def _admin_role_needs_auth(self) -> Config:
+        if self.admin is not None and self.admin.role is not None and self.auth is None:
+            raise ValueError("admin.role: needs a top-level auth section with trusted issuers")
+        return self
 
     def journal_dir(self) -> Path | None:
         """The journal's directory: ``state_dir``; else the SQLite database's directory,

@@ -14,11 +14,16 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidIdempotencyKey           400
     │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
     │   ├── DuplicateJSONMember             400  an object repeats a member name (not I-JSON)
-    │   └── BodyNotCanonicalizable          400
+    │   ├── BodyNotCanonicalizable          400
+    │   └── InvalidField                    400  a parameter of a /_proxy/ endpoint, named
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
+    ├── Forbidden                           403  an operator's JWT lacks the admin role
     ├── RouteNotFound                       404
+    ├── PlanNotFound                        404  no record of this plan session for the caller
+    ├── RecordNotFound                      404  no record under this id (admin)
     ├── RequestInProgress                   409
+    ├── RecordNotFailed                     409  only a FAILED record can be resolved (admin)
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── RequestTooLarge                     413
     ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
@@ -123,6 +128,18 @@ class BodyNotCanonicalizable(BadRequest):
     title = "Body has no canonical JSON form"
 
 
+class InvalidField(BadRequest):
+    """A query parameter, path parameter or JSON field of a ``/_proxy/`` endpoint is invalid;
+    the detail starts with its name."""
+
+    slug = "invalid-field"
+    title = "Invalid field"
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
 class Unauthorized(ProxyError):
     """No valid caller token on a route that requires one (RFC 6750 error in the header)."""
 
@@ -155,12 +172,47 @@ class IdentityProviderUnavailable(ProxyError):
         super().__init__(detail, headers={"Retry-After": STORE_RETRY_AFTER})
 
 
+class Forbidden(ProxyError):
+    """The operator's token is valid but does not carry the admin role."""
+
+    status = 403
+    slug = "forbidden"
+    title = "Not allowed"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'})
+
+
 class RouteNotFound(ProxyError):
     """No route's path_prefix matches the request path."""
 
     status = 404
     slug = "route-not-found"
     title = "No route for this path"
+
+
+class PlanNotFound(ProxyError):
+    """The store holds no record of this plan session for this caller."""
+
+    status = 404
+    slug = "plan-not-found"
+    title = "No record of this plan session"
+
+
+class RecordNotFound(ProxyError):
+    """No live record under this id."""
+
+    status = 404
+    slug = "record-not-found"
+    title = "No such record"
+
+
+class RecordNotFailed(ProxyError):
+    """Only a FAILED record (outcome unknown) can be resolved as completed or released."""
+
+    status = 409
+    slug = "record-not-failed"
+    title = "The record is not FAILED"
 
 
 class RequestInProgress(ProxyError):
