@@ -359,7 +359,10 @@ def test_redis_external_takes_the_url_from_the_secret(chart: helm.Chart) -> None
     assert deployment["spec"]["replicas"] == 3
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert proxy["args"][proxy["args"].index("--workers") + 1] == "2"
-    assert "tool-proxy-state" not in {v["name"] for v in pod_spec["volumes"]}
+    (state,) = [v for v in pod_spec["volumes"] if v["name"] == "tool-proxy-state"]
+    assert "emptyDir" in state  # the journal's state_dir: the root file system is read-only
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    assert mounts["tool-proxy-state"] == "/var/lib/tool-proxy"
     assert find(docs, "Deployment", f"{RELEASE}-tool-proxy-redis") == []
     assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 2
     (spread,) = pod_spec["topologySpreadConstraints"]

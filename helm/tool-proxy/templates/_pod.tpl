@@ -96,10 +96,13 @@ and so do the sidecar snippets (_sidecar.tpl) that users add to their own pod sp
       readOnly: true
     - name: tool-proxy-tmp
       mountPath: /tmp
-    {{- if eq .Values.store.type "sqlite" }}
     - name: tool-proxy-state
+      {{- if eq .Values.store.type "sqlite" }}
       mountPath: {{ dir .Values.store.sqlite.path }}
-    {{- end }}
+      {{- else }}
+      # the journal of outcomes the store could not take yet (state_dir)
+      mountPath: /var/lib/tool-proxy
+      {{- end }}
     {{- range $i, $secret := .Values.secrets.files }}
     - name: tool-proxy-secret-{{ $i }}
       mountPath: {{ $secret.mountPath }}
@@ -117,16 +120,14 @@ and so do the sidecar snippets (_sidecar.tpl) that users add to their own pod sp
 - name: tool-proxy-tmp
   emptyDir:
     sizeLimit: {{ .Values.tmpSizeLimit }}
-{{- if eq .Values.store.type "sqlite" }}
 - name: tool-proxy-state
-  {{- if and (eq .Values.mode "standalone") .Values.persistence.enabled }}
+  {{- if and (eq .Values.store.type "sqlite") (eq .Values.mode "standalone") .Values.persistence.enabled }}
   persistentVolumeClaim:
     claimName: {{ .Values.persistence.existingClaim | default (printf "%s-state" (include "tool-proxy.fullname" .)) }}
   {{- else }}
   emptyDir:
     sizeLimit: {{ .Values.store.sqlite.sizeLimit }}
   {{- end }}
-{{- end }}
 {{- range $i, $secret := .Values.secrets.files }}
 - name: tool-proxy-secret-{{ $i }}
   secret:
