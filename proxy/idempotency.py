@@ -329,6 +329,8 @@ class Guard:
                 if settled is RELEASE:
                     continue  # the tool says it did not run: claim it and execute
                 stored = settled.stored or stored
+            if stored.ref is None:  # the body is at hand (no object store round trip)
+                return reply(stored, replayed=True), Outcome.REPLAYED
             return await self.replayer.response(op.label, stored), Outcome.REPLAYED
         if claim.previous is not None:
             self.log.info(
@@ -465,7 +467,8 @@ class Guard:
         if upstream.status in self._release_on:
             return RELEASE
         try:
-            return Verdict(await self._storable(upstream, body))
+            stored = self._inline(upstream, body)
+            return Verdict(stored or await self._offloaded(upstream, body))
         except Exception as exc:  # the proxy's own failure: the tool did answer
             return Verdict(self._not_kept(lease, exc))
 
@@ -523,15 +526,16 @@ class Guard:
         finally:
             spool.close()
 
-    async def _storable(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
-        """The outcome to record: a large body goes to object storage when it can; one
-        above max_stored_bytes, or above what the store can hold, is replaced by a
-        problem (the call is never re-run)."""
+    def _inline(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse | None:
+        """The outcome to record when it stays in the store; None when the body goes to
+        object storage. One above max_stored_bytes, or above what the store can hold, is
+        replaced by a problem (the call is never re-run)."""
         size = body.size if isinstance(body, Spool) else len(body)
-        limit = self.store.max_payload_bytes
-        if self.policy.max_stored_bytes is not None:
-            limit = min(limit, self.policy.max_stored_bytes)
-        if size > limit and not (self.offload is not None and self.offload.wants(size)):
+        offload = self.offload
+        if offload is not None and offload.wants(size):
+            return None
+        limit = self._stored_limit()
+        if size > limit:
             self.log.warning("response_not_stored", route=self.route.name, bytes=size)
             return StoredResponse.of_problem(
                 ResponseNotStored(
@@ -539,16 +543,27 @@ class Guard:
                     f"route's limit on stored responses ({limit} bytes) and cannot be replayed"
                 )
             )
-        if self.offload is None or not self.offload.wants(size):
-            self._warn_if_large(size)
-            return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
+        self._warn_if_large(size)
+        return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
+
+    def _stored_limit(self) -> int:
+        limit = self.store.max_payload_bytes
+        if self.policy.max_stored_bytes is not None:
+            limit = min(limit, self.policy.max_stored_bytes)
+        return limit
+
+    async def _offloaded(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
+        """The outcome with its body in object storage (or inline, if the object store
+        fails and the body fits the store)."""
+        assert self.offload is not None
+        size = body.size if isinstance(body, Spool) else len(body)
         try:
             ref = await self.offload.put(self.route.name, body, keep_for=self.policy.result_ttl)
         except OffloadUnavailable as exc:
             self.log.warning(
                 "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
             )
-            if size > limit:
+            if size > self._stored_limit():
                 raise
             return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)

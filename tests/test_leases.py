@@ -108,10 +108,10 @@ async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
     store, log = MemoryStore(), Log()
     guard = make_guard(store, log)
 
-    async def broken(*args: Any) -> None:
+    def broken(*args: Any) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(guard, "_storable", broken)
+    monkeypatch.setattr(guard, "_inline", broken)
     op = OP
     response, outcome = await guard.run(op, forward)
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)

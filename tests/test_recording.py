@@ -171,10 +171,10 @@ async def test_an_unexpected_failure_while_streaming_is_recorded_not_lost(
     store, log = MemoryStore(), Log()
     guard = make_guard(store, log)
 
-    async def broken(*args: Any) -> StoredResponse:
+    def broken(*args: Any) -> StoredResponse:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(guard, "_storable", broken)
+    monkeypatch.setattr(guard, "_inline", broken)
     body = os.urandom(300_000)
     response, outcome = await guard.run(OP, answering(body, streamed=True))
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)

@@ -491,11 +491,18 @@ async def test_sqlite_failed_commit_is_rolled_back(tmp_path: Path) -> None:
 
 
 async def test_redis_keys_share_a_hash_tag() -> None:
-    from proxy.store.redis import index_key, record_key, slot_key
+    from proxy.store.redis import _names, index_key, record_key, slot_key
 
     key = RecordKey("route|anon|plan|1", "h")
     tags = {record_key(key).split("}")[0], slot_key(key).split("}")[0]}
     assert tags == {index_key(key.scope).split("}")[0]} == {"tp:{route|anon|plan"}
+    for one in (key, RecordKey("no-bar", "n")):  # the hot path's names are the same keys
+        assert _names(one) == (
+            record_key(one),
+            slot_key(one),
+            index_key(one.scope),
+            f"{one.step}:{one.name}",
+        )
 
 
 async def test_shared_values_expire(store: Store, later: Later) -> None:

@@ -54,9 +54,14 @@ class MemoryStore:
         self._scopes.setdefault(key.scope, set()).add(key)
 
     def _view(self, key: RecordKey, entry: _Entry) -> Record:
-        now = self._clock()
-        left = entry.lease_until if entry.record.state is State.IN_PROGRESS else entry.expires_at
-        return replace(entry.record, ttl=max(left - now, 0.0), key=key)
+        r = entry.record  # built field by field: dataclasses.replace costs twice as much
+        left = (entry.lease_until if r.state is State.IN_PROGRESS else entry.expires_at) - (
+            self._clock()
+        )
+        ttl = left if left > 0 else 0.0
+        return Record(
+            r.state, r.fingerprint, r.owner, ttl, r.payload, key, r.created_at, r.updated_at
+        )
 
     async def claim(
         self,

@@ -212,6 +212,17 @@ def slot_key(key: RecordKey) -> str:
     return f"{KEY_PREFIX}{{{key.scope}}}:last:{key.step}"
 
 
+def _names(key: RecordKey) -> tuple[str, str, str, str]:
+    """The record, slot pointer and scope index keys of ``key``, and its index member:
+    ``record_key``, ``slot_key``, ``index_key`` and ``_member`` at once (the hot path)."""
+    scope, sep, step = key.slot.rpartition("|")
+    if not sep:
+        scope = step = key.slot
+    tag = f"{KEY_PREFIX}{{{scope}}}:"
+    member = f"{step}:{key.name}"
+    return f"{tag}r:{member}", f"{tag}last:{step}", f"{tag}idx", member
+
+
 def index_key(scope: str) -> str:
     """The Redis key of a scope's index (a set of members)."""
     return f"{KEY_PREFIX}{{{scope}}}:idx"
@@ -357,9 +368,10 @@ class RedisStore:
         *,
         reexecute_lapsed: bool = False,
     ) -> Claim:
-        keys = [record_key(key), slot_key(key), index_key(key.scope)]
+        record, slot, index, member = _names(key)
+        keys = [record, slot, index]
         args = (key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl))
-        reply = await self._script(_CLAIM, keys, *args, int(reexecute_lapsed), _member(key))
+        reply = await self._script(_CLAIM, keys, *args, int(reexecute_lapsed), member)
         if reply[0] == 1:
             previous = reply[1].decode() if reply[1] else ""
             return Claim(None, previous if previous and previous != key.name else None)
@@ -378,8 +390,9 @@ class RedisStore:
         payload: bytes,
         result_ttl: float,
     ) -> bool:
-        keys = [record_key(key), index_key(key.scope)]
-        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, _member(key))
+        record, _, index, member = _names(key)
+        keys = [record, index]
+        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member)
         return bool(await self._script(_COMPLETE, keys, *args))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
