@@ -13,6 +13,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -71,6 +72,22 @@ class Metrics:
             ["route", "event"],
             registry=self.registry,
         )
+        self._limit_decisions = Counter(
+            "tool_proxy_limit_decisions",
+            "Route limit decisions, by route, limit and decision: allowed, limited (429), "
+            "waited (refused once while waiting in line, limit_wait), paused (429 while the "
+            "tool's own pause lasts; limit ''), pause_set (the tool asked for a pause), "
+            "store_down_open (forwarded without limits).",
+            ["route", "limit", "decision"],
+            registry=self.registry,
+        )
+        self._limit_waiting = Gauge(
+            "tool_proxy_limit_waiting",
+            "Calls waiting (limit_wait) for room in a route's limits now, by route.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -89,6 +106,14 @@ class Metrics:
     def outcome_event(self, route: str, event: str) -> None:
         """Count an event of the recording path (rare: not cached)."""
         self._outcome_events.labels(route, event).inc()
+
+    def limit_decision(self, route: str, limit: str, decision: str) -> None:
+        """Count one decision of a route limit."""
+        self._limit_decisions.labels(route, limit, decision).inc()
+
+    def limit_waiting(self, route: str, delta: int) -> None:
+        """One more (1) or one fewer (-1) call waiting for room."""
+        self._limit_waiting.labels(route).inc(delta)
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""
