@@ -71,7 +71,8 @@ async def test_a_burst_passes_then_the_next_waits_one_interval(buckets: Buckets)
     refused = await buckets.take(GROUP, [RATE], [], "o", 5)
     assert not refused.allowed and refused.paused == 0
     assert 0.05 < refused.retry_after <= 0.101
-    assert refused.rates[0].remaining == 0
+    assert refused.rates[0].remaining == 0 and refused.rates[0].limited
+    assert not third.rates[0].limited
     assert 0.2 < refused.rates[0].reset <= 0.301
 
 
@@ -91,7 +92,9 @@ async def test_a_refused_take_takes_nothing_from_any_rate(buckets: Buckets) -> N
     other = Rate("tpm|k", interval=0.1, tolerance=0.3)
     for _ in range(3):
         assert await take(buckets, RATE)
-    assert not await take(buckets, other, RATE)
+    both = await buckets.take(GROUP, [other, RATE], [], "o", 5)
+    assert not both.allowed
+    assert [r.limited for r in both.rates] == [False, True]
     got = await buckets.take(GROUP, [other], [], "o", 5)
     assert got.allowed and got.rates[0].remaining == 2
 

@@ -54,10 +54,12 @@ class Slots:
 
 @dataclass(frozen=True, slots=True)
 class RateState:
-    """A rate after a take: whole units left now, and seconds until the bucket is full."""
+    """A rate after a take: whole units left now, seconds until the bucket is full, and
+    whether this rate had no room for the take."""
 
     remaining: int
     reset: float
+    limited: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ def gcra(tat: float, now: float, rate: Rate) -> tuple[float, float, RateState]:
     new = base + rate.interval * rate.cost
     over = new - rate.tolerance - now
     if over > EPSILON:
-        return tat, over, RateState(0, base - now)
+        return tat, over, RateState(0, base - now, True)
     return new, 0.0, RateState(_remaining(new, now, rate), new - now)
 
 

@@ -517,7 +517,8 @@ local now = t[1] * 1000 + t[2] / 1000
 
 # KEYS: pause, rate buckets..., slot sets... ARGV: nrates, nslots, owner, slot ttl (ms),
 # then (interval ms, tolerance ms, cost) per rate, then the capacity per slot set.
-# Returns {allowed, paused ms, retry ms, (remaining, reset ms) per rate, free per slot set}.
+# Returns {allowed, paused ms, retry ms, (remaining, reset ms, limited) per rate, then the
+# free slots per slot set}.
 _TAKE = (
     _NOW_MS
     + """
@@ -536,10 +537,12 @@ for i = 1, nr do
     wait = math.max(wait, over)
     table.insert(out, 0)
     table.insert(out, math.ceil(base - now))
+    table.insert(out, 1)
   else
     tats[i] = new
     table.insert(out, math.max(math.floor((tolerance - (new - now)) / interval + 1e-6), 0))
     table.insert(out, math.ceil(new - now))
+    table.insert(out, 0)
   end
 end
 for j = 1, ns do
@@ -656,11 +659,13 @@ class RedisBuckets:
             allowed, paused, retry = (int(v) for v in reply[:3])
             if paused > 0:
                 return Admission(False, paused / 1000, 0.0)
-            pairs = reply[3 : 3 + 2 * len(rates)]
+            end = 3 + 3 * len(rates)
+            triples = reply[3:end]
             states = tuple(
-                RateState(int(pairs[i]), int(pairs[i + 1]) / 1000) for i in range(0, len(pairs), 2)
+                RateState(int(triples[i]), int(triples[i + 1]) / 1000, bool(triples[i + 2]))
+                for i in range(0, len(triples), 3)
             )
-            free = tuple(int(v) for v in reply[3 + 2 * len(rates) :])
+            free = tuple(int(v) for v in reply[end:])
         except (ValueError, TypeError, IndexError) as exc:
             raise StoreError(f"redis store: malformed limits reply for {group}") from exc
         return Admission(bool(allowed), 0.0, retry / 1000, states, free)
