@@ -398,3 +398,18 @@ def test_one_rate_limit_costs_one_extra_redis_round_trip(
         costs[path] = _evalsha_calls(client) - before
     client.close()
     assert costs == {"/tools/plain": 2, "/tools/llm": 3}  # claim, complete (+ take)
+
+
+def test_a_slot_is_renewed_while_its_call_runs_past_its_lease(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    slot = {"name": "in-flight", "max_in_flight": 1, "slot_ttl": "300ms"}
+    proxy = make_proxy(limited(tool.url, slot))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(call, proxy.url, "/tools/llm?delay=1", {"n": "long"})
+        wait_for(lambda: tool.in_flight == 1, what="the call at the tool")
+        time.sleep(0.6)  # twice the lease: held only because it is renewed
+        assert_limited(call(proxy.url, "/tools/llm", {"n": "other"}), 1)
+        assert long.result().status_code == 200
+    time.sleep(0.1)  # the slot is freed after the answer
+    assert call(proxy.url, "/tools/llm", {"n": "other"}).status_code == 200
