@@ -9,8 +9,10 @@ kernel are not in these numbers; ``bench/run`` measures them all together.
 
     .venv/bin/python bench/hot_path.py [--requests N] [--rounds R]
 
-Prints, for pass-through, first executions (a new key per request) and replays (one
-key), the best of R rounds of N requests, in µs of CPU per request.
+Prints, for pass-through, first executions (a new key per request), replays (one key)
+and first executions on a route with one rate limit (``first-exec-limited``, a quota no
+run reaches), the best of R rounds of N requests, in µs of CPU per request, and the
+limited route's overhead as a ratio against the same run's plain first execution.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ UPSTREAM_HEADERS = [
     (b"Content-Length", b"11"),
     (b"Connection", b"keep-alive"),
 ]
-SCENARIOS = ("passthrough", "first-exec", "replay")
+SCENARIOS = ("passthrough", "first-exec", "replay", "first-exec-limited")
+# A rate no benchmark run reaches: every request is admitted, and pays for the check.
+BENCH_LIMIT = {"name": "rpm", "key": "principal", "rate": "1000000000/1s"}
 
 
 class CannedUpstream(forwarding.Upstream):
@@ -77,6 +81,13 @@ def make_app() -> App:
     routes = [
         {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
         {"name": "tool", "path_prefix": "/tool", "strip_prefix": True, "idempotency": {}},
+        {
+            "name": "limited",
+            "path_prefix": "/limited",
+            "strip_prefix": True,
+            "idempotency": {},
+            "limits": [BENCH_LIMIT],
+        },
     ]
     upstream = "http://127.0.0.1:9"
     config = parse_config(
@@ -92,7 +103,7 @@ def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
     """``n`` ASGI scopes as uvicorn makes them for wrk's requests in ``bench/run``."""
     args_hash = composite_key("bench", 1, BODY).rsplit(":", 1)[1]
     plans = (f"hot{i}" for i in itertools.count())
-    path = "/pass" if scenario == "passthrough" else "/tool"
+    path = {"passthrough": "/pass", "first-exec-limited": "/limited"}.get(scenario, "/tool")
     out = []
     for _ in range(n):
         headers = [
@@ -100,7 +111,7 @@ def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(BODY)).encode()),
         ]
-        if scenario == "first-exec":
+        if scenario.startswith("first-exec"):
             headers.append((b"idempotency-key", f"{next(plans)}:1:{args_hash}".encode()))
         elif scenario == "replay":
             headers.append((b"idempotency-key", f"fixed:1:{args_hash}".encode()))
@@ -194,4 +205,6 @@ if __name__ == "__main__":
         print(json.dumps(best))
     else:
         for scenario, value in best.items():
-            print(f"{scenario:12} {value:6.1f} µs of CPU per request")
+            print(f"{scenario:18} {value:6.1f} µs of CPU per request")
+        ratio = best["first-exec-limited"] / best["first-exec"]
+        print(f"one rate limit: {ratio:.3f} x first-exec")

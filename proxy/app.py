@@ -47,6 +47,7 @@ from proxy.journal import Journal
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
+from proxy.policies import Chain, Context, Forward, build_chain
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
@@ -167,6 +168,10 @@ class Proxy:
         self.max_json_depth = config.limits.max_json_depth
         self.auth = Authenticator(config.auth) if config.auth else None
         self.tokens = _downstream_tokens(config, store)
+        chains = {
+            r.name: build_chain(r, store, self.metrics, tasks, self.log) for r in config.routes
+        }
+        self.chains = {name: chain for name, chain in chains.items() if chain is not None}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -221,7 +226,8 @@ class Proxy:
         if guard is not None and not guard.guards(request.method):
             guard = None
         tokened = self.tokens is not None and self.tokens.applies(route.name)
-        if guard is None and not tokened:
+        chain = self.chains.get(route.name)
+        if guard is None and not tokened and chain is None:
             trace.outcome = Outcome.PASSED
             return await self._pass_through(request, route)
         # read whole: to hash it, or to send it again after a 401 with a new token
@@ -245,13 +251,19 @@ class Proxy:
                 return self._forward_with_token(request, route, body, identity, once)
             return self._send(request, route, body, at_most_once=once)
 
+        send: Forward = forward
+        context: Context | None = None
+        if chain is not None:  # the route's policies, around the send (after a claim)
+            context = Context(route, request, body, principal)
+            send = chain.wrap(context, forward)
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
-            return await self._relay(request, await forward())
-        trace.key = op.label
-        lookup = None if route.reconcile is None else self._lookup(request, route, identity)
-        response, trace.outcome = await guard.run(op, forward, lookup)
-        return response
+            response = await self._relay(request, await send())
+        else:
+            trace.key = op.label
+            lookup = None if route.reconcile is None else self._lookup(request, route, identity)
+            response, trace.outcome = await guard.run(op, send, lookup)
+        return response if context is None else Chain.decorate(context, response)
 
     def _lookup(self, request: Incoming, route: RouteConfig, identity: str) -> Lookup:
         """The route's reconcile look-up for this caller: its Idempotency-Key and its
@@ -428,7 +440,7 @@ def call_seconds(route: RouteConfig) -> float:
     fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
     sends = 2 if token is not None and token.retry_on_401 else 1
     tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
-    seconds = tokens + route.timeout * sends
+    seconds = tokens + route.timeout * sends + route.limit_wait
     if route.idempotency is not None:
         seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
     return seconds

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import jsonpointer
 import yaml
 from pydantic import (
     BaseModel,
@@ -76,6 +77,10 @@ DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 # The JWT claim holding an operator's roles (admin.role must be one of them).
 DEFAULT_ROLES_CLAIM = "roles"
 
+# A concurrency slot's lease (routes[].limits[].slot_ttl): renewed every third of it while
+# the call runs; the slots of a replica that dies are free again at most this long after.
+DEFAULT_SLOT_TTL = 10.0
+
 # Where the journal lives when the store is Redis and no state_dir is configured (for
 # SQLite: the database's directory; memory:// keeps no journal).
 DEFAULT_STATE_DIR = "/var/lib/tool-proxy"
@@ -97,6 +102,8 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _METHOD = re.compile(r"[A-Z]{1,20}")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+_QUOTA = re.compile(r"\d+(?:\.\d+)?")
 _STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss")
 _ASYMMETRIC_ALGORITHMS = (
     "RS256",
@@ -273,6 +280,90 @@ class ReconcileConfig(_Strict):
         return set(_PLACEHOLDER.findall(self.path))
 
 
+class StoreDown(StrEnum):
+    """What a route with limits does while the store cannot be reached."""
+
+    CLOSED = "closed"
+    """Refuse (503 store-unavailable): no limit is ever exceeded."""
+    OPEN = "open"
+    """Forward without limits (logged and counted): the tool stays reachable."""
+
+
+class CostConfig(_Strict):
+    """What one call costs a rate limit: reserved before, trued up after."""
+
+    request: float | str = 1
+    """A number, or ``json:<JSON pointer>`` into the request body."""
+    response: str | None = None
+    """``json:<JSON pointer>`` into the tool's answer: the real cost."""
+
+    @field_validator("request")
+    @classmethod
+    def _request(cls, value: float | str) -> float | str:
+        if isinstance(value, str):
+            return check_json_source(value)
+        if value <= 0:
+            raise ValueError("a cost must be positive")
+        return value
+
+    @field_validator("response")
+    @classmethod
+    def _response(cls, value: str | None) -> str | None:
+        return None if value is None else check_json_source(value)
+
+
+class LimitConfig(_Strict):
+    """One rate or concurrency limit of a route."""
+
+    name: str
+    key: str = "route"
+    rate: str | None = None
+    burst: int | None = Field(default=None, ge=1)
+    cost: CostConfig | None = None
+    max_in_flight: int | None = Field(default=None, ge=1)
+    slot_ttl: Duration = DEFAULT_SLOT_TTL
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _ROUTE_NAME.fullmatch(name):
+            raise ValueError("a limit name is 1..64 characters of [A-Za-z0-9._-]")
+        return name
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        if key in ("route", "principal", "client_ip"):
+            return key
+        if key.startswith("header:") and _HEADER_NAME.fullmatch(key[7:]):
+            return "header:" + key[7:].lower()
+        if key.startswith("json:"):
+            return check_json_source(key)
+        raise ValueError("must be route, principal, client_ip, header:<name> or json:<pointer>")
+
+    @field_validator("rate")
+    @classmethod
+    def _rate(cls, rate: str | None) -> str | None:
+        if rate is not None:
+            parse_rate(rate)
+        return rate
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> LimitConfig:
+        if (self.rate is None) == (self.max_in_flight is None):
+            raise ValueError("set exactly one of rate and max_in_flight")
+        if self.rate is None and (self.burst is not None or self.cost is not None):
+            raise ValueError("burst and cost go with a rate, not with max_in_flight")
+        quota = self.quota_period()[0]
+        if self.burst is not None and self.burst > quota:
+            raise ValueError(f"burst must be at most the rate's quota ({quota:g})")
+        return self
+
+    def quota_period(self) -> tuple[float, float]:
+        """The rate as (units, seconds); (0, 0) for a concurrency limit."""
+        return (0.0, 0.0) if self.rate is None else parse_rate(self.rate)
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -298,6 +389,22 @@ class RouteConfig(_Strict):
                 f"reconcile.path: {{{min(composite_only)}}} needs composite keys; use {{key}}"
             )
         return self
+
+    limits: tuple[LimitConfig, ...] | None = None
+    """Present (even empty): the route follows the tool's own limits (429/503 pauses)."""
+    limit_wait: Wait = 0.0
+    limits_on_store_down: StoreDown = StoreDown.CLOSED
+
+    @field_validator("limits")
+    @classmethod
+    def _unique_limits(
+        cls, limits: tuple[LimitConfig, ...] | None
+    ) -> tuple[LimitConfig, ...] | None:
+        names = [limit.name for limit in limits or ()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"limit names must be unique: {', '.join(repeated)} repeated")
+        return limits
 
     @field_validator("name")
     @classmethod
@@ -508,6 +615,28 @@ class Config(_Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def parse_rate(rate: str) -> tuple[float, float]:
+    """``N/<duration>`` (``60/1m``, ``90000/1m``, ``5/250ms``) as (N, seconds)."""
+    count, slash, period = rate.partition("/")
+    if not slash or not _QUOTA.fullmatch(count.strip()):
+        raise ValueError(f"not a rate: {rate!r} (use N/<duration>, e.g. 60/1m)")
+    quota = float(count)
+    if quota <= 0:
+        raise ValueError("a rate's quota must be positive")
+    return quota, parse_duration(period.strip())
+
+
+def check_json_source(value: str) -> str:
+    """``json:<JSON pointer>`` (RFC 6901), checked with the jsonpointer library."""
+    if not value.startswith("json:"):
+        raise ValueError("must be json:<JSON pointer>, e.g. json:/usage/total_tokens")
+    try:
+        jsonpointer.JsonPointer(value[5:])
+    except jsonpointer.JsonPointerException as exc:
+        raise ValueError(f"not a JSON pointer: {value[5:]!r} ({exc})") from None
+    return value
 
 
 def check_store_url(url: str) -> str:

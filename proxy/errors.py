@@ -26,6 +26,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RecordNotFailed                     409  only a FAILED record can be resolved (admin)
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── RequestTooLarge                     413
+    ├── RateLimited                         429  a route limit, or the tool's own pause
     ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
     ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
@@ -38,7 +39,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
     ├── OffloadUnavailable                  503  the object store failed (internal)
     ├── StoreUnavailable                    503  the store cannot be reached
-    │   └── StoreRefused                    503  it answered, refusing the write (no retry helps)
+    │   ├── StoreRefused                    503  it answered, refusing the write (no retry helps)
+    │   └── LimitsUnavailable               503  a route's limits cannot be read: fails closed
     ├── IdentityProviderUnavailable         503  no signing keys or downstream token
     └── StoreError                          500  the store answered something it should not
 
@@ -240,6 +242,15 @@ class RequestTooLarge(ProxyError):
     title = "Request body too large"
 
 
+class RateLimited(ProxyError):
+    """A limit of the route has no room for the call, or the tool asked all replicas to
+    pause (429/503 with Retry-After): nothing was sent, and the key is released."""
+
+    status = 429
+    slug = "rate-limited"
+    title = "Rate limited"
+
+
 class HeaderFieldsTooLarge(ProxyError):
     """The request line and header fields are larger than limits.max_header_bytes."""
 
@@ -356,6 +367,11 @@ class StoreUnavailable(ProxyError):
 
     def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail, headers={"Retry-After": STORE_RETRY_AFTER, **(headers or {})})
+
+
+class LimitsUnavailable(StoreUnavailable):
+    """The store that keeps a route's limits cannot be reached and the route fails closed
+    (``limits_on_store_down: closed``): nothing was sent, and the key is released."""
 
 
 class StoreRefused(StoreUnavailable):

@@ -43,10 +43,12 @@ from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, LapsedLea
 from proxy.errors import (
     IdentityProviderUnavailable,
     KeyReusedWithOtherBody,
+    LimitsUnavailable,
     NotExecuted,
     OffloadUnavailable,
     OutcomeUnknown,
     ProxyError,
+    RateLimited,
     RequestInProgress,
     ResponseNotStored,
     StoreRefused,
@@ -71,7 +73,13 @@ CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
 RECORD_RETRY_SECONDS = 0.5
 # Raised by ``forward`` when nothing reached the tool: the key is released.
-_NOT_SENT = (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable)
+_NOT_SENT = (
+    UpstreamUnreachable,
+    Unauthorized,
+    IdentityProviderUnavailable,
+    RateLimited,
+    LimitsUnavailable,
+)
 
 
 class Outcome(StrEnum):

@@ -13,6 +13,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -78,6 +79,22 @@ class Metrics:
             ["route", "when", "result"],
             registry=self.registry,
         )
+        self._limit_decisions = Counter(
+            "tool_proxy_limit_decisions",
+            "Route limit decisions, by route, limit and decision: allowed, limited (429), "
+            "waited (refused once while waiting in line, limit_wait), paused (429 while the "
+            "tool's own pause lasts; limit ''), pause_set (the tool asked for a pause), "
+            "store_down_open (forwarded without limits).",
+            ["route", "limit", "decision"],
+            registry=self.registry,
+        )
+        self._limit_waiting = Gauge(
+            "tool_proxy_limit_waiting",
+            "Calls waiting (limit_wait) for room in a route's limits now, by route.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -100,6 +117,14 @@ class Metrics:
     def reconciliation(self, route: str, when: str, result: str) -> None:
         """Count one reconcile look-up."""
         self._reconciliations.labels(route, when, result).inc()
+
+    def limit_decision(self, route: str, limit: str, decision: str) -> None:
+        """Count one decision of a route limit."""
+        self._limit_decisions.labels(route, limit, decision).inc()
+
+    def limit_waiting(self, route: str, delta: int) -> None:
+        """One more (1) or one fewer (-1) call waiting for room."""
+        self._limit_waiting.labels(route).inc(delta)
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""

@@ -88,7 +88,9 @@ class CountingTool:
 
     Query parameters shape the answer: ``delay`` (seconds), ``status``, ``size`` (a
     streamed body of that many bytes, ``chunk_delay`` seconds between 64 KiB chunks),
-    ``cookie`` (adds Set-Cookie).
+    ``cookie`` (adds Set-Cookie), ``retry_after`` (adds Retry-After), ``usage`` (adds
+    ``"usage": {"total_tokens": <usage>}`` to the JSON answer). ``in_flight`` counts the
+    requests being handled now, ``most_in_flight`` the most at once.
     """
 
     def __init__(self) -> None:
@@ -98,6 +100,8 @@ class CountingTool:
         self.arrived: Counter[str] = Counter()
         """Requests per key that reached the tool, counted before any ``delay``."""
         self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
         self.app = Starlette(
             routes=[
                 Route(
@@ -122,7 +126,12 @@ class CountingTool:
             return Response(b'{"error":"invalid_token"}', 401, media_type="application/json")
         key = request.headers.get("idempotency-key") or request.url.path
         self.arrived[key] += 1
-        await asyncio.sleep(float(query.get("delay", 0)))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(float(query.get("delay", 0)))
+        finally:
+            self.in_flight -= 1
         self.executions[key] += 1
         self.requests.append(
             {
@@ -135,6 +144,8 @@ class CountingTool:
         )
         status = int(query.get("status", 200))
         headers = {"X-Tool": "counting"}
+        if "retry_after" in query:
+            headers["Retry-After"] = query["retry_after"]
         if "cookie" in query:
             headers["Set-Cookie"] = "session=secret-session; Path=/"
         if "size" in query:
@@ -151,6 +162,8 @@ class CountingTool:
             "path": request.url.path,
             "body": body.decode("utf-8", "replace"),
         }
+        if "usage" in query:
+            payload["usage"] = {"total_tokens": int(query["usage"])}
         return Response(json.dumps(payload), status, headers=headers, media_type="application/json")
 
 

@@ -1,10 +1,21 @@
-"""Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis."""
+"""Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis; and
+their rate buckets behind another (``buckets.Buckets``)."""
 
 from __future__ import annotations
 
 from proxy.store.base import Claim, Record, RecordKey, State, Store
+from proxy.store.buckets import Buckets
 
-__all__ = ["Claim", "Record", "RecordKey", "State", "Store", "make_store"]
+__all__ = [
+    "Buckets",
+    "Claim",
+    "Record",
+    "RecordKey",
+    "State",
+    "Store",
+    "make_buckets",
+    "make_store",
+]
 
 
 def make_store(url: str) -> Store:
@@ -23,3 +34,12 @@ def make_store(url: str) -> Store:
 
         return RedisStore(url)
     raise ValueError(f"unknown store URL scheme: {scheme!r}")
+
+
+def make_buckets(store: Store) -> Buckets:
+    """The rate buckets that live beside ``store``'s records (same connection and clock)."""
+    factory = getattr(store, "buckets", None)
+    if factory is None:
+        raise TypeError(f"{type(store).__name__} keeps no rate buckets")
+    buckets: Buckets = factory()
+    return buckets

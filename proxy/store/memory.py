@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.store.base import Claim, Record, RecordKey, State
+from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 
 # The largest payload kept, as for Redis (a process's memory is no place for more).
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
@@ -198,6 +199,10 @@ class MemoryStore:
         if await self.get_value(f"lock|{key}") == owner.encode():
             self._values.pop(f"lock|{key}", None)
 
+    def buckets(self) -> MemoryBuckets:
+        """The rate buckets of this process, on the same clock."""
+        return MemoryBuckets(self._clock)
+
     async def open(self) -> None:
         return None
 
@@ -211,3 +216,76 @@ class MemoryStore:
 def _releasable(record: Record) -> bool:
     """IN_PROGRESS, or its lease lapsed (FAILED with no payload): nothing recorded yet."""
     return record.state is State.IN_PROGRESS or record.lapsed
+
+
+class MemoryBuckets:
+    """``Buckets`` in this process's memory (one process only): tats, slot leases, pauses.
+
+    Entries whose time has passed are dropped when touched; a bucket at rest is as good
+    as absent.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tats: dict[tuple[str, str], float] = {}
+        self._slots: dict[tuple[str, str], dict[str, float]] = {}
+        self._pauses: dict[str, float] = {}
+
+    async def take(
+        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+    ) -> Admission:
+        now = self._clock()
+        paused = self._pauses.get(group, 0.0) - now
+        if paused > 0:
+            return Admission(False, paused, 0.0)
+        wait = 0.0
+        states, tats = [], []
+        for rate in rates:
+            tat, over, state = gcra(self._tats.get((group, rate.key), now), now, rate)
+            wait = max(wait, over)
+            tats.append(tat)
+            states.append(state)
+        free, full = [], False
+        for slot in slots:
+            held = self._live_slots(group, slot.key, now)
+            left = slot.capacity - len(held) - (owner not in held)
+            full = full or left < 0
+            free.append(left)
+        if wait > 0 or full:
+            return Admission(False, 0.0, wait, tuple(states), tuple(free))
+        for rate, tat in zip(rates, tats, strict=True):
+            self._tats[(group, rate.key)] = tat
+        for slot in slots:
+            self._slots.setdefault((group, slot.key), {})[owner] = now + slot_ttl
+        return Admission(True, 0.0, 0.0, tuple(states), tuple(free))
+
+    def _live_slots(self, group: str, key: str, now: float) -> dict[str, float]:
+        held = self._slots.get((group, key), {})
+        for owner in [o for o, until in held.items() if until <= now]:
+            del held[owner]
+        return held
+
+    async def finish(
+        self, group: str, changes: Sequence[tuple[Rate, float]], slots: Sequence[str], owner: str
+    ) -> None:
+        now = self._clock()
+        for rate, units in changes:
+            tat = self._tats.get((group, rate.key), now)
+            self._tats[(group, rate.key)] = adjusted(tat, now, rate, units)
+        for key in slots:
+            self._slots.get((group, key), {}).pop(owner, None)
+
+    async def renew(self, group: str, slots: Sequence[str], owner: str, ttl: float) -> bool:
+        now = self._clock()
+        kept = True
+        for key in slots:
+            held = self._live_slots(group, key, now)
+            if owner in held:
+                held[owner] = now + ttl
+            else:
+                kept = False
+        return kept
+
+    async def pause(self, group: str, seconds: float) -> None:
+        until = self._clock() + seconds
+        self._pauses[group] = max(self._pauses.get(group, 0.0), until)

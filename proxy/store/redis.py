@@ -18,12 +18,16 @@ Keys::
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
     tp:v:{<key>}           string: a shared value (an encrypted downstream token)
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
+    tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
+    tp:{lim:<group>}:s:<key>  sorted set: slot owners, scored by their lease's end (ms)
+    tp:{lim:<group>}:pause    string: until when (ms) the group (a route) is paused
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import hiredis
@@ -37,6 +41,7 @@ from redis.retry import Retry
 
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
+from proxy.store.buckets import Admission, Rate, RateState, Slots
 
 KEY_PREFIX = "tp:"
 # Connection defaults; query parameters of the URL (e.g. ?socket_timeout=5) win.
@@ -472,6 +477,10 @@ class RedisStore:
         await self._coalescer.close()
         await self._redis.aclose()
 
+    def buckets(self) -> RedisBuckets:
+        """The rate buckets in the same Redis, over the same coalesced connection."""
+        return RedisBuckets(self)
+
 
 def _translated(exc: ResponseError) -> StoreUnavailable:
     """An error reply: a refusal (``StoreRefused``) or the store unusable for now."""
@@ -511,3 +520,182 @@ def _parse_record_key(redis_key: str) -> RecordKey | None:
     if not sep or not colon:
         return None
     return RecordKey(f"{scope}|{step}", name)
+
+
+_NOW_MS = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = t[1] * 1000 + t[2] / 1000
+"""
+
+# KEYS: pause, rate buckets..., slot sets... ARGV: nrates, nslots, owner, slot ttl (ms),
+# then (interval ms, tolerance ms, cost) per rate, then the capacity per slot set.
+# Returns {allowed, paused ms, retry ms, (remaining, reset ms, limited) per rate, then the
+# free slots per slot set}.
+_TAKE = (
+    _NOW_MS
+    + """
+local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
+if paused > now then return {0, math.ceil(paused - now), 0} end
+local nr, ns, owner, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local out, tats, wait, full = {1, 0, 0}, {}, 0, false
+for i = 1, nr do
+  local a = 4 + (i - 1) * 3
+  local interval, tolerance = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local cost = tonumber(ARGV[a + 3])
+  local base = math.max(tonumber(redis.call('GET', KEYS[1 + i]) or now), now)
+  local new = base + interval * cost
+  local over = new - tolerance - now
+  if over > 0.001 then
+    wait = math.max(wait, over)
+    table.insert(out, 0)
+    table.insert(out, math.ceil(base - now))
+    table.insert(out, 1)
+  else
+    tats[i] = new
+    table.insert(out, math.max(math.floor((tolerance - (new - now)) / interval + 1e-6), 0))
+    table.insert(out, math.ceil(new - now))
+    table.insert(out, 0)
+  end
+end
+for j = 1, ns do
+  local key = KEYS[1 + nr + j]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local held = redis.call('ZCARD', key)
+  local mine = redis.call('ZSCORE', key, owner)
+  local left = tonumber(ARGV[4 + nr * 3 + j]) - held
+  if not mine then left = left - 1 end
+  if left < 0 then full = true end
+  table.insert(out, left)
+end
+if wait > 0 or full then
+  out[1] = 0
+  out[3] = math.ceil(wait)
+  return out
+end
+for i = 1, nr do
+  redis.call('SET', KEYS[1 + i], string.format('%.3f', tats[i]), 'PX', math.ceil(tats[i] - now) + 1)
+end
+for j = 1, ns do
+  local key = KEYS[1 + nr + j]
+  redis.call('ZADD', key, now + ttl, owner)
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, math.ceil(ttl)) end
+end
+return out
+"""
+)
+
+# KEYS: rate buckets..., slot sets... ARGV: nrates, owner, then (interval ms, units) per rate.
+_FINISH = (
+    _NOW_MS
+    + """
+local nr, owner = tonumber(ARGV[1]), ARGV[2]
+for i = 1, nr do
+  local interval, units = tonumber(ARGV[1 + i * 2]), tonumber(ARGV[2 + i * 2])
+  local tat = math.max(tonumber(redis.call('GET', KEYS[i]) or now), now) + interval * units
+  if tat <= now then
+    redis.call('DEL', KEYS[i])
+  else
+    redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1)
+  end
+end
+for j = nr + 1, #KEYS do redis.call('ZREM', KEYS[j], owner) end
+return 1
+"""
+)
+
+# KEYS: slot sets. ARGV: owner, ttl (ms). 1 if every slot was still held.
+_RENEW_SLOTS = (
+    _NOW_MS
+    + """
+local kept = 1
+for _, key in ipairs(KEYS) do
+  local lease = tonumber(redis.call('ZSCORE', key, ARGV[1]) or 0)
+  if lease > now then
+    redis.call('ZADD', key, 'XX', now + ARGV[2], ARGV[1])
+    local ttl = math.ceil(tonumber(ARGV[2]))
+    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  else
+    kept = 0
+  end
+end
+return kept
+"""
+)
+
+# KEYS: pause. ARGV: seconds (ms).
+_PAUSE = (
+    _NOW_MS
+    + """
+local stop = now + tonumber(ARGV[1])
+if tonumber(redis.call('GET', KEYS[1]) or 0) < stop then
+  redis.call('SET', KEYS[1], string.format('%.3f', stop), 'PX', math.ceil(tonumber(ARGV[1])) + 1)
+end
+return 1
+"""
+)
+
+_SHA.update(
+    {s: hashlib.sha1(s.encode()).hexdigest() for s in (_TAKE, _FINISH, _RENEW_SLOTS, _PAUSE)}
+)
+
+
+def limit_key(group: str, kind: str, key: str = "") -> str:
+    """The Redis key of a group's bucket (``r``), slot set (``s``) or pause: one hash tag
+    per group, so one script may touch all of a route's limits in a Redis Cluster."""
+    return f"{KEY_PREFIX}{{lim:{group}}}:{kind}" + (f":{key}" if key else "")
+
+
+def _fms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
+
+class RedisBuckets:
+    """``Buckets`` as Lua scripts: one round trip per call, all of a group's keys under
+    one hash tag."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+
+    async def take(
+        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+    ) -> Admission:
+        keys = [limit_key(group, "pause")]
+        keys += [limit_key(group, "r", rate.key) for rate in rates]
+        keys += [limit_key(group, "s", slot.key) for slot in slots]
+        args: list[Any] = [len(rates), len(slots), owner, _fms(slot_ttl)]
+        for rate in rates:
+            args += [_fms(rate.interval), _fms(rate.tolerance), repr(float(rate.cost))]
+        args += [slot.capacity for slot in slots]
+        reply = await self._store._script(_TAKE, keys, *args)
+        try:
+            allowed, paused, retry = (int(v) for v in reply[:3])
+            if paused > 0:
+                return Admission(False, paused / 1000, 0.0)
+            end = 3 + 3 * len(rates)
+            triples = reply[3:end]
+            states = tuple(
+                RateState(int(triples[i]), int(triples[i + 1]) / 1000, bool(triples[i + 2]))
+                for i in range(0, len(triples), 3)
+            )
+            free = tuple(int(v) for v in reply[end:])
+        except (ValueError, TypeError, IndexError) as exc:
+            raise StoreError(f"redis store: malformed limits reply for {group}") from exc
+        return Admission(bool(allowed), 0.0, retry / 1000, states, free)
+
+    async def finish(
+        self, group: str, changes: Sequence[tuple[Rate, float]], slots: Sequence[str], owner: str
+    ) -> None:
+        keys = [limit_key(group, "r", rate.key) for rate, _ in changes]
+        keys += [limit_key(group, "s", key) for key in slots]
+        args: list[Any] = [len(changes), owner]
+        for rate, units in changes:
+            args += [_fms(rate.interval), repr(float(units))]
+        await self._store._script(_FINISH, keys, *args)
+
+    async def renew(self, group: str, slots: Sequence[str], owner: str, ttl: float) -> bool:
+        keys = [limit_key(group, "s", key) for key in slots]
+        return bool(await self._store._script(_RENEW_SLOTS, keys, owner, _fms(ttl)))
+
+    async def pause(self, group: str, seconds: float) -> None:
+        await self._store._script(_PAUSE, [limit_key(group, "pause")], _fms(seconds))

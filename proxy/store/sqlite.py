@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +20,7 @@ from urllib.parse import parse_qs
 
 from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
+from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 
 T = TypeVar("T")
 
@@ -178,6 +179,10 @@ class SQLiteStore:
 
     async def ping(self) -> None:
         await self._run(lambda: self._conn().execute("SELECT 1").fetchone())
+
+    def buckets(self) -> SQLiteBuckets:
+        """The rate buckets in the same database, on the same thread and clock."""
+        return SQLiteBuckets(self)
 
     async def close(self) -> None:
         def _close() -> None:
@@ -395,3 +400,144 @@ def _acquire(db: sqlite3.Connection, now: float, key: str, owner: bytes, ttl: fl
 
 def _unlock(db: sqlite3.Connection, now: float, key: str, owner: bytes) -> None:
     db.execute("DELETE FROM kv WHERE key = ? AND value = ?", (key, owner))
+
+
+_BUCKETS_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS limit_rates (grp TEXT NOT NULL, key TEXT NOT NULL,"
+    " tat REAL NOT NULL, PRIMARY KEY (grp, key)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS limit_slots (grp TEXT NOT NULL, key TEXT NOT NULL,"
+    " owner TEXT NOT NULL, until REAL NOT NULL, PRIMARY KEY (grp, key, owner)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS limit_pauses (grp TEXT PRIMARY KEY, until REAL NOT NULL)"
+    " WITHOUT ROWID",
+)
+
+
+class SQLiteBuckets:
+    """``Buckets`` in the store's database: each call one ``BEGIN IMMEDIATE`` transaction
+    (so the processes of one host share them), on the store's thread and clock."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+        self._ready = False
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self._ready:
+            await self._store._run(self._store._transaction, _create_buckets)
+            self._ready = True
+        return await self._store._run(self._store._transaction, fn, *args)
+
+    async def take(
+        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+    ) -> Admission:
+        return await self._call(_take, group, rates, slots, owner, slot_ttl)
+
+    async def finish(
+        self, group: str, changes: Sequence[tuple[Rate, float]], slots: Sequence[str], owner: str
+    ) -> None:
+        await self._call(_finish, group, changes, slots, owner)
+
+    async def renew(self, group: str, slots: Sequence[str], owner: str, ttl: float) -> bool:
+        return await self._call(_renew_slots, group, slots, owner, ttl)
+
+    async def pause(self, group: str, seconds: float) -> None:
+        await self._call(_pause, group, seconds)
+
+
+def _create_buckets(db: sqlite3.Connection, now: float) -> None:
+    for statement in _BUCKETS_SCHEMA:
+        db.execute(statement)
+
+
+def _tat(db: sqlite3.Connection, group: str, key: str, now: float) -> float:
+    row = db.execute("SELECT tat FROM limit_rates WHERE grp = ? AND key = ?", (group, key))
+    found = row.fetchone()
+    return now if found is None else float(found[0])
+
+
+def _take(
+    db: sqlite3.Connection,
+    now: float,
+    group: str,
+    rates: Sequence[Rate],
+    slots: Sequence[Slots],
+    owner: str,
+    slot_ttl: float,
+) -> Admission:
+    row = db.execute("SELECT until FROM limit_pauses WHERE grp = ?", (group,)).fetchone()
+    if row is not None and row[0] > now:
+        return Admission(False, row[0] - now, 0.0)
+    wait = 0.0
+    states, tats = [], []
+    for rate in rates:
+        tat, over, state = gcra(_tat(db, group, rate.key, now), now, rate)
+        wait = max(wait, over)
+        tats.append(tat)
+        states.append(state)
+    free, full = [], False
+    for slot in slots:
+        db.execute(
+            "DELETE FROM limit_slots WHERE grp = ? AND key = ? AND until <= ?",
+            (group, slot.key, now),
+        )
+        held = {
+            r[0]
+            for r in db.execute(
+                "SELECT owner FROM limit_slots WHERE grp = ? AND key = ?", (group, slot.key)
+            )
+        }
+        left = slot.capacity - len(held) - (owner not in held)
+        full = full or left < 0
+        free.append(left)
+    if wait > 0 or full:
+        return Admission(False, 0.0, wait, tuple(states), tuple(free))
+    db.executemany(
+        "INSERT OR REPLACE INTO limit_rates (grp, key, tat) VALUES (?, ?, ?)",
+        [(group, rate.key, tat) for rate, tat in zip(rates, tats, strict=True)],
+    )
+    db.executemany(
+        "INSERT OR REPLACE INTO limit_slots (grp, key, owner, until) VALUES (?, ?, ?, ?)",
+        [(group, slot.key, owner, now + slot_ttl) for slot in slots],
+    )
+    return Admission(True, 0.0, 0.0, tuple(states), tuple(free))
+
+
+def _finish(
+    db: sqlite3.Connection,
+    now: float,
+    group: str,
+    changes: Sequence[tuple[Rate, float]],
+    slots: Sequence[str],
+    owner: str,
+) -> None:
+    for rate, units in changes:
+        tat = adjusted(_tat(db, group, rate.key, now), now, rate, units)
+        db.execute(
+            "INSERT OR REPLACE INTO limit_rates (grp, key, tat) VALUES (?, ?, ?)",
+            (group, rate.key, tat),
+        )
+    db.executemany(
+        "DELETE FROM limit_slots WHERE grp = ? AND key = ? AND owner = ?",
+        [(group, key, owner) for key in slots],
+    )
+
+
+def _renew_slots(
+    db: sqlite3.Connection, now: float, group: str, slots: Sequence[str], owner: str, ttl: float
+) -> bool:
+    kept = True
+    for key in slots:
+        cursor = db.execute(
+            "UPDATE limit_slots SET until = ? WHERE grp = ? AND key = ? AND owner = ?"
+            " AND until > ?",
+            (now + ttl, group, key, owner, now),
+        )
+        kept = kept and cursor.rowcount == 1
+    return kept
+
+
+def _pause(db: sqlite3.Connection, now: float, group: str, seconds: float) -> None:
+    db.execute(
+        "INSERT INTO limit_pauses (grp, until) VALUES (?, ?)"
+        " ON CONFLICT (grp) DO UPDATE SET until = max(until, excluded.until)",
+        (group, now + seconds),
+    )

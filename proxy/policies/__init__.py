@@ -1,0 +1,89 @@
+"""Route policies: each a module with the same small interface, chained per route.
+
+    Context    one per request, built once by app.py: the route, the caller, the body,
+               and the headers the policies add to the caller's answer
+    Policy     ``wrap(context, forward) -> forward``: runs around the send, so on a
+               guarded route only after a successful claim (a duplicate's 409 and a
+               replay come first, and take nothing); raising a "nothing sent" error
+               (e.g. ``RateLimited``) releases the key
+    Chain      a route's policies, built once at start-up from its configuration;
+               ``build_chain`` gives None for a route without any: it pays nothing
+
+The policies: ``limits`` (rates, concurrency, token costs, the tool's own pauses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.responses import Response
+
+from proxy.asgi import Incoming, RawHeaders
+from proxy.background import TaskSet
+from proxy.config import RouteConfig
+from proxy.forwarding import UpstreamResponse
+from proxy.metrics import Metrics
+from proxy.store import Store
+
+Forward = Callable[[], Awaitable[UpstreamResponse]]
+"""Sends the request upstream and returns the answer, its body still to be read."""
+
+
+@dataclass(slots=True)
+class Context:
+    """One request as the policies see it, built once."""
+
+    route: RouteConfig
+    request: Incoming
+    body: bytes
+    principal: str = ""
+    headers: RawHeaders = field(default_factory=list)
+    """Added to the caller's answer by ``Chain.decorate`` (never recorded or replayed)."""
+
+    @property
+    def client_ip(self) -> str:
+        client = self.request.scope.get("client")
+        return str(client[0]) if client else ""
+
+
+class Policy(Protocol):
+    """A route policy."""
+
+    def wrap(self, context: Context, forward: Forward) -> Forward:
+        """``forward`` with this policy around it."""
+
+
+class Chain:
+    """A route's policies, the first one outermost."""
+
+    __slots__ = ("policies",)
+
+    def __init__(self, policies: list[Policy]) -> None:
+        self.policies = policies
+
+    def wrap(self, context: Context, forward: Forward) -> Forward:
+        for policy in reversed(self.policies):
+            forward = policy.wrap(context, forward)
+        return forward
+
+    @staticmethod
+    def decorate(context: Context, response: Response) -> Response:
+        """Add the policies' headers (e.g. RateLimit) to the answer the caller gets."""
+        if context.headers:
+            response.raw_headers = [*response.raw_headers, *context.headers]
+        return response
+
+
+def build_chain(
+    route: RouteConfig, store: Store, metrics: Metrics, tasks: TaskSet, log: Any
+) -> Chain | None:
+    """The route's chain from its configuration; None if it has no policy."""
+    policies: list[Policy] = []
+    if route.limits is not None:
+        from proxy.policies.limits import Limits
+        from proxy.store import make_buckets
+
+        policies.append(Limits(route, make_buckets(store), metrics, tasks, log))
+    return Chain(policies) if policies else None
