@@ -7,7 +7,6 @@ import concurrent.futures
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -16,21 +15,12 @@ from proxy.journal import Entry, Journal, read_entries
 from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
 from tests.conftest import new_key, route
+from tests.guards import EventLog
 from tests.servers import CountingTool, ProxyProcess, RedisServer, wait_for
 
 BODY = {"op": "charge", "amount": 42}
 # Small timeouts, so an unreachable (paused) Redis is noticed in well under a second.
 FAST = "?socket_timeout=0.3&socket_connect_timeout=0.3"
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def info(self, event: str, **fields: Any) -> None:
-        self.events.append(event)
-
-    warning = error = critical = info
 
 
 def entry(n: int = 1, payload: bytes = b"v2 200\r\n\r\nok") -> Entry:
@@ -49,7 +39,7 @@ def test_entries_survive_a_round_trip_and_a_torn_tail_is_dropped() -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_journal_left_behind_is_adopted_and_recorded(tmp_path: Path) -> None:
-    store, log = MemoryStore(), Log()
+    store, log = MemoryStore(), EventLog()
     key = RecordKey("tool||plan|1", "h")
     await store.claim(key, "fp", "owner", 5, 60)
     first = Journal(tmp_path, store, log)
@@ -74,7 +64,7 @@ async def test_a_journal_left_behind_is_adopted_and_recorded(tmp_path: Path) -> 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_live_processs_journal_is_never_adopted(tmp_path: Path) -> None:
-    store, log = MemoryStore(), Log()
+    store, log = MemoryStore(), EventLog()
     live = Journal(tmp_path, store, log)
     live.open()
     await live.keep(entry(1))

@@ -7,47 +7,22 @@ from typing import Any
 
 import pytest
 
-from proxy.background import TaskSet
-from proxy.config import parse_config
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import Guard, Outcome
+from proxy.idempotency import Outcome
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
+from tests.guards import OP, EventLog, make_guard
 
 pytestmark = pytest.mark.anyio
 
 LOCK_TTL = 0.3  # renewed every 0.1 s
-OP = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Log:
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self.events.append(event)
-
-    error = critical = info = warning
-
-
-def make_guard(store: MemoryStore, log: Log) -> Guard:
-    route = {
-        "name": "tool",
-        "path_prefix": "/t",
-        "upstream": "http://127.0.0.1:9",
-        "idempotency": {"lock_ttl": LOCK_TTL},
-    }
-    config = parse_config({"store": {"url": "memory://"}, "routes": [route]}, env={})
-    (route_config,) = config.routes
-    assert route_config.idempotency is not None
-    return Guard(route_config, route_config.idempotency, store, TaskSet(), log)
 
 
 async def claim(store: MemoryStore, n: int) -> Operation:
@@ -58,8 +33,8 @@ async def claim(store: MemoryStore, n: int) -> Operation:
 
 
 async def test_held_claims_outlive_their_lock_ttl_and_stopped_ones_expire() -> None:
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
     ops = [await claim(store, n) for n in range(3)]
     leases = [guard._leases.hold(op, f"owner{n}") for n, op in enumerate(ops)]
     leases[2].stop()
@@ -75,8 +50,8 @@ async def test_held_claims_outlive_their_lock_ttl_and_stopped_ones_expire() -> N
 
 
 async def test_a_lease_taken_over_is_reported_and_no_longer_renewed() -> None:
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
     op = await claim(store, 1)
     lease = guard._leases.hold(op, "someone-else")  # the store knows another owner
     await asyncio.sleep(LOCK_TTL / 3 * 1.5)  # one tick
@@ -105,8 +80,8 @@ async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
 ) -> None:
     """A failure of the proxy's own after the tool answered: the caller gets the answer,
     the record says the call ran (410 on retries), and it is never run again."""
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
 
     def broken(*args: Any) -> None:
         raise RuntimeError("a bug")
@@ -128,8 +103,8 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
     """The tool answered: the caller gets its answer, the small "not kept" record is
     tried, and when even that fails the loss is a critical event; the lease is not
     renewed for ever (the key would answer 409 for the life of the process)."""
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
     attempts: list[bytes] = []
 
     async def broken(*args: Any) -> bool:
@@ -150,8 +125,8 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
 
 async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unknown() -> None:
     """The request may have reached the tool: the call is FAILED (replayed), not re-run."""
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
 
     async def broken() -> UpstreamResponse:
         raise RuntimeError("a bug")
@@ -168,8 +143,8 @@ async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unkn
 async def test_a_call_cancelled_in_flight_is_recorded_as_outcome_unknown() -> None:
     """uvicorn cancels requests a graceful shutdown stopped waiting for: the request may
     have reached the tool, so the call is FAILED (replayed), not left to run again."""
-    store, log = MemoryStore(), Log()
-    guard = make_guard(store, log)
+    store, log = MemoryStore(), EventLog()
+    guard = make_guard(store, log, lock_ttl=LOCK_TTL)
     sent = asyncio.Event()
 
     async def slow() -> UpstreamResponse:

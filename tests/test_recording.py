@@ -22,36 +22,22 @@ from proxy.background import TaskSet
 from proxy.config import parse_config
 from proxy.errors import OutcomeUnknown
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import OWNERS, Guard, Outcome
+from proxy.idempotency import OWNERS, Outcome
 from proxy.metrics import Metrics
-from proxy.operation import Operation
 from proxy.outcome import StoredResponse
-from proxy.store import RecordKey, State, Store
+from proxy.store import State
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SQLiteStore
 from tests.conftest import new_key, route
+from tests.guards import OP, EventLog, make_guard
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
 pytestmark = pytest.mark.anyio
-
-OP = Operation(RecordKey("tool||plan|1", "f" * 64), "plan:1", "f" * 64)
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Log:
-    """The events a guard logs, by name."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    def info(self, event: str, **fields: Any) -> None:
-        self.events.append(event)
-
-    warning = error = critical = info
 
 
 class Answer(UpstreamResponse):
@@ -69,16 +55,6 @@ class Answer(UpstreamResponse):
     async def stream(self) -> AsyncIterator[bytes]:
         for start in range(0, len(self.body), 65536):
             yield self.body[start : start + 65536]
-
-
-def make_guard(store: Store, log: Log, metrics: Metrics | None = None, **policy: Any) -> Guard:
-    spec = {"name": "tool", "path_prefix": "/t", "upstream": "http://127.0.0.1:9"}
-    config = parse_config(
-        {"store": {"url": "memory://"}, "routes": [{**spec, "idempotency": policy}]}, env={}
-    )
-    (route_config,) = config.routes
-    assert route_config.idempotency is not None
-    return Guard(route_config, route_config.idempotency, store, TaskSet(), log, None, metrics)
 
 
 def answering(body: bytes, *, streamed: bool = False) -> Any:
@@ -115,7 +91,7 @@ async def test_an_outcome_sqlite_refuses_is_recorded_as_executed_not_kept(
         store._conn().setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limit)
 
     await store._run(lower_the_limit)
-    log, metrics = Log(), Metrics()
+    log, metrics = EventLog(), Metrics()
     guard = make_guard(store, log, metrics)
     body = os.urandom(limit + 1000) if not streamed else os.urandom(3 * limit)
     try:
@@ -144,7 +120,7 @@ async def test_redis_refusing_every_write_is_a_critical_event_not_a_500(
     server = RedisServer().start()
     store = RedisStore(server.url)
     admin = redis.Redis.from_url(server.url)
-    log, metrics = Log(), Metrics()
+    log, metrics = EventLog(), Metrics()
     guard = make_guard(store, log, metrics)
 
     async def forward() -> UpstreamResponse:
@@ -168,7 +144,7 @@ async def test_an_unexpected_failure_while_streaming_is_recorded_not_lost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bug after the tool answered a streamed body: recorded as executed, not kept."""
-    store, log = MemoryStore(), Log()
+    store, log = MemoryStore(), EventLog()
     guard = make_guard(store, log)
 
     def broken(*args: Any) -> StoredResponse:
@@ -190,7 +166,7 @@ async def test_a_failed_recording_of_an_unknown_outcome_stops_the_renewals(
 ) -> None:
     """The FAILED path: recording raises something unexpected; the lease is not renewed
     for ever (the key would answer 409 until a restart)."""
-    store, log = MemoryStore(), Log()
+    store, log = MemoryStore(), EventLog()
     guard = make_guard(store, log, lock_ttl=0.3)
 
     async def broken(*args: Any) -> bool:
@@ -207,7 +183,7 @@ async def test_a_failed_recording_of_an_unknown_outcome_stops_the_renewals(
 
 
 async def test_a_cut_body_with_a_release_status_still_releases() -> None:
-    store, log = MemoryStore(), Log()
+    store, log = MemoryStore(), EventLog()
     guard = make_guard(store, log)
 
     class Cut(Answer):
@@ -268,7 +244,7 @@ def test_a_response_above_what_the_store_holds_streams_through_and_replays_410(
 
 
 async def test_a_failing_background_task_is_logged() -> None:
-    log = Log()
+    log = EventLog()
     tasks = TaskSet(log)
 
     async def broken() -> None:
