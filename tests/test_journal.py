@@ -87,13 +87,8 @@ def test_the_store_away_longer_than_the_lease_one_execution_outcome_recorded(
     key = new_key(BODY)
     path = "/tools/charge?delay=0.5"
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(post, proxy.url + path, key)
-            wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
-            redis.pause()
-            answer = first.result()
+        answer = journaled_call(tool, proxy, redis, path, key)
         assert answer.status_code == 200
-        wait_for(lambda: "outcome_not_recorded_yet" in names(proxy), what="the journal entry")
         time.sleep(1.2)  # longer than the lease
         assert post(proxy.url + path, key).status_code == 503  # fail closed, not executed
         redis.resume()
@@ -119,12 +114,7 @@ def test_a_journal_outlives_the_proxy_and_the_next_one_records_it(
     key = new_key(BODY)
     path = "/tools/charge?delay=0.3"
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            call = pool.submit(post, first.url + path, key)
-            wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
-            redis.pause()
-            answer = call.result()
-        wait_for(lambda: "outcome_not_recorded_yet" in names(first), what="the journal entry")
+        answer = journaled_call(tool, first, redis, path, key)
         first.kill()
         assert list((tmp_path / "state").glob("*.journal"))
         redis.resume()
@@ -140,6 +130,20 @@ def test_a_journal_outlives_the_proxy_and_the_next_one_records_it(
     finally:
         redis.resume()
         redis.stop()
+
+
+def journaled_call(
+    tool: CountingTool, proxy: ProxyProcess, redis: RedisServer, path: str, key: str
+) -> httpx.Response:
+    """Send a call, stop Redis while the tool works on it, and wait for the proxy to keep
+    its outcome in the journal; the caller's answer."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(post, proxy.url + path, key)
+        wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
+        redis.pause()
+        answer = call.result()
+    wait_for(lambda: "outcome_not_recorded_yet" in names(proxy), what="the journal entry")
+    return answer
 
 
 def post(url: str, key: str) -> httpx.Response:
