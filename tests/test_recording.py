@@ -25,7 +25,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import OWNERS, Outcome
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
-from proxy.store import State
+from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SQLiteStore
 from tests.conftest import new_key, route
@@ -254,3 +254,42 @@ async def test_a_failing_background_task_is_logged() -> None:
     assert await tasks.drain(1)
     await asyncio.sleep(0)
     assert log.events == ["background_task_failed"]
+
+
+async def test_a_release_the_store_cannot_take_is_journaled_and_applied_later(
+    tmp_path: Path,
+) -> None:
+    """The tool answered a release status while the store was out of reach: the release
+    is kept in the journal (release_failed), and the key is free once it is applied."""
+    from proxy.errors import StoreUnavailable
+    from proxy.journal import Journal
+
+    class Unreachable(MemoryStore):
+        down = True
+
+        async def release(self, key: RecordKey, owner: str) -> bool:
+            if self.down:
+                raise StoreUnavailable("redis store: connection refused")
+            return await super().release(key, owner)
+
+    store, log = Unreachable(), EventLog()
+    journal = Journal(tmp_path, store, log)
+    journal.open()
+    guard = make_guard(store, log)
+    guard.journal = journal
+
+    async def busy() -> UpstreamResponse:
+        answer = Answer(b"busy")
+        answer.status = 503
+        return answer
+
+    response, outcome = await guard.run(OP, busy)
+    assert (response.status_code, outcome) == (503, Outcome.RELEASED)
+    assert "release_failed" in log.events and len(journal) == 1
+    record = await store.get(OP.key)
+    assert record is not None and record.state is State.IN_PROGRESS  # not free yet
+    store.down = False
+    await journal.flush()
+    assert await store.get(OP.key) is None  # released: a retry executes
+    assert "journal_released" in log.events
+    journal.close()
