@@ -435,7 +435,8 @@ class App:
 def call_seconds(route: RouteConfig) -> float:
     """The longest a call of ``route`` can take, from its arrival to its conclusion: the
     wait for a duplicate (conflict_wait), the claim, the token fetches and sends (two of
-    each with ``token.retry_on_401``), and the recording."""
+    each with ``token.retry_on_401``), the reconcile look-ups (at the failure, or on a
+    retry and then the execution after its ``not_found``), and the recording."""
     token = route.token
     fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
     sends = 2 if token is not None and token.retry_on_401 else 1
@@ -443,6 +444,8 @@ def call_seconds(route: RouteConfig) -> float:
     seconds = tokens + route.timeout * sends + route.limit_wait
     if route.idempotency is not None:
         seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
+    if route.reconcile is not None:  # a retry's look-up, then the whole call; or one at failure
+        seconds += route.reconcile.timeout + route.timeout + STORE_OPERATION_SECONDS
     return seconds
 
 
@@ -467,9 +470,10 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             asyncio.create_task(_sweep_forever(proxy.store, proxy.log)),
             asyncio.create_task(_flush_logs_forever()),
         ]
+        journaling = None
         if proxy.journal is not None:
             proxy.journal.open()
-            chores.append(asyncio.create_task(proxy.journal.run_forever()))
+            journaling = asyncio.create_task(proxy.journal.run_forever())
         if proxy.offload is not None and proxy.offload.sweeps:
             chores.append(asyncio.create_task(_sweep_objects_forever(proxy.offload, proxy.log)))
         gc.collect()
@@ -488,7 +492,9 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             # calls conclude now (a cancelled one records FAILED), before the store closes.
             if not await tasks.drain(drain_seconds):
                 proxy.log.critical("shutdown_with_calls_in_flight", calls=len(tasks))
-            if proxy.journal is not None:  # one last try; what is left waits for a restart
+            if journaling is not None:  # it ran through the drain; one last try, then what
+                journaling.cancel()  # is left waits for the next start on this state_dir
+            if proxy.journal is not None:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(STORE_OPERATION_SECONDS):
                         await proxy.journal.flush()

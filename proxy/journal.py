@@ -110,6 +110,7 @@ class Journal:
         self._adopted: dict[Path, IO[bytes]] = {}
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
+        self._writing = 0
         self.recorded = 0
 
     def __len__(self) -> int:
@@ -121,9 +122,7 @@ class Journal:
             self.directory.mkdir(parents=True, exist_ok=True)
             for path in sorted(self.directory.glob(f"*{SUFFIX}")):
                 self._adopt(path)
-            self._own = self.directory / f"{os.getpid()}-{secrets.token_hex(6)}{SUFFIX}"
-            self._file = self._own.open("ab")
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._file, self._own = self._create()
         except OSError as exc:
             raise ConfigError(
                 [f"state_dir: cannot keep the journal in {self.directory}: {exc.strerror}"]
@@ -131,17 +130,36 @@ class Journal:
         if self._pending:
             self.log.warning("journal_adopted", entries=len(self._pending))
 
+    def _create(self) -> tuple[IO[bytes], Path]:
+        """This process's file, locked before it gets the name others look for (so no
+        other process can take it for a dead one's)."""
+        name = f"{os.getpid()}-{secrets.token_hex(6)}"
+        hidden = self.directory / f".{name}.new"
+        file = hidden.open("ab")
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        own = self.directory / f"{name}{SUFFIX}"
+        os.rename(hidden, own)
+        return file, own
+
     def _adopt(self, path: Path) -> None:
-        file = path.open("r+b")
+        try:
+            file = path.open("r+b")
+        except FileNotFoundError:  # adopted and done by another process meanwhile
+            return
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a live process's own journal
             file.close()
             return
-        entries = read_entries(file.read())
+        data = file.read()
+        entries = read_entries(data)
         if not entries:
             file.close()
-            path.unlink(missing_ok=True)
+            if data:  # nothing readable in it: kept aside for a person, never dropped
+                path.rename(path.with_suffix(".unreadable"))
+                self.log.error("journal_unreadable", file=str(path))
+            else:
+                path.unlink(missing_ok=True)
             return
         self._adopted[path] = file
         self._pending += [_Pending(entry, None, path) for entry in entries]
@@ -150,7 +168,11 @@ class Journal:
         """Append ``entry`` to the file, synced to disk (``OSError`` if it cannot be);
         ``done`` is called once the store has it."""
         assert self._file is not None and self._own is not None, "Journal.open() first"
-        await asyncio.to_thread(_append, self._file, entry.encode())
+        self._writing += 1  # the file is not truncated while an entry is being written
+        try:
+            await asyncio.to_thread(_append, self._file, entry.encode())
+        finally:
+            self._writing -= 1
         self._pending.append(_Pending(entry, done, self._own))
         self._wake.set()
 
@@ -160,7 +182,10 @@ class Journal:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception as exc:  # never dies: its entries hold keys IN_PROGRESS
+                self.log.error("journal_error", error=repr(exc))
             if self._pending:
                 await asyncio.sleep(RETRY_SECONDS)
 
@@ -175,6 +200,13 @@ class Journal:
                     continue
             except StoreUnavailable:
                 return
+            except Exception as exc:  # the store broke its contract: give this one up
+                self.log.critical(
+                    "outcome_not_recorded",
+                    route=pending.entry.route,
+                    key=pending.entry.label,
+                    error=repr(exc),
+                )
             self._pending.pop(0)
             self.recorded += 1
             if pending.done is not None:
@@ -219,7 +251,7 @@ class Journal:
         for path in [p for p in self._adopted if p not in waiting]:
             self._adopted.pop(path).close()
             path.unlink(missing_ok=True)
-        if self._own not in waiting and self._file is not None:
+        if self._own not in waiting and self._file is not None and not self._writing:
             self._file.truncate(0)
 
     def close(self) -> None:

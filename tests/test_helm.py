@@ -136,7 +136,9 @@ def test_standalone_deployment_service_probes_and_security(chart: helm.Chart) ->
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     expected_args = ["--host", "0.0.0.0", "--port", "8080", "--workers", "1", "--log-level"]
-    assert proxy["args"] == [*expected_args, "info"]
+    assert proxy["args"][:-1] == [*expected_args, "info", "--graceful-timeout"]
+    grace_period = pod["spec"]["terminationGracePeriodSeconds"]
+    assert int(proxy["args"][-1]) == grace_period - 5 - 15  # done before SIGKILL
     assert proxy["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert proxy["livenessProbe"]["httpGet"] == {"path": "/_proxy/healthz", "port": 8080}
     assert proxy["readinessProbe"]["httpGet"] == {"path": "/_proxy/readyz", "port": 8080}
@@ -237,8 +239,8 @@ def test_existing_configmap_is_mounted_without_a_checksum(chart: helm.Chart) -> 
         "name": "my-routes",
         "items": [{"key": "proxy.yaml", "path": "config.yaml"}],
     }
-    # the routes are unknown: maxRouteTimeoutSeconds (30) + 5 s preStop + 10 s
-    assert pod["spec"]["terminationGracePeriodSeconds"] == 45
+    # the routes are unknown: maxRouteTimeoutSeconds (30) + 5 s preStop + 30 s
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 65
 
 
 # -- graceful shutdown -------------------------------------------------------------------
@@ -274,15 +276,20 @@ def routes(*timeouts: Any) -> dict[str, Any]:
 def test_grace_period_covers_the_longest_route_timeout(
     chart: helm.Chart, timeouts: list[Any], longest: int
 ) -> None:
-    assert grace(chart, routes(*timeouts)) == 5 + longest + 10
+    assert grace(chart, routes(*timeouts)) == 5 + longest + 30
+    proxy = container(
+        proxy_deployment(render(chart, routes(*timeouts)))["spec"]["template"]["spec"]
+    )
+    graceful = proxy["args"][proxy["args"].index("--graceful-timeout") + 1]
+    assert graceful == str(longest + 15)  # done before the kubelet's SIGKILL
 
 
 def test_grace_period_defaults_route_timeout_and_takes_overrides(chart: helm.Chart) -> None:
     no_timeout = {
         "config": {"routes": [{"name": "a", "path_prefix": "/a", "upstream": "http://a"}]}
     }
-    assert grace(chart, no_timeout) == 5 + 30 + 10  # the proxy's default timeout is 30 s
-    assert grace(chart, {**routes("2m"), "shutdownDelaySeconds": 0}) == 130
+    assert grace(chart, no_timeout) == 5 + 30 + 30  # the proxy's default timeout is 30 s
+    assert grace(chart, {**routes("2m"), "shutdownDelaySeconds": 0}) == 150
     assert grace(chart, {**routes("2m"), "terminationGracePeriodSeconds": 600}) == 600
     no_hook = container(
         proxy_deployment(render(chart, {"shutdownDelaySeconds": 0}))["spec"]["template"]["spec"]
@@ -367,7 +374,7 @@ def test_redis_external_takes_the_url_from_the_secret(chart: helm.Chart) -> None
     assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 2
     (spread,) = pod_spec["topologySpreadConstraints"]
     assert spread["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
-    assert pod_spec["terminationGracePeriodSeconds"] == 5 + 45 + 10
+    assert pod_spec["terminationGracePeriodSeconds"] == 5 + 45 + 30
 
 
 def test_hpa_scales_the_deployment_on_the_in_chart_redis(chart: helm.Chart) -> None:
@@ -482,7 +489,7 @@ def test_sidecar_snippets_in_a_users_pod(parent_chart: Path) -> None:
     assert {m["name"] for m in proxy["volumeMounts"]} <= set(volumes)
     sha = hashlib.sha256(configmap["data"]["config.yaml"].encode()).hexdigest()
     assert pod["metadata"]["annotations"] == {"checksum/tool-proxy-config": sha}
-    assert pod["spec"]["terminationGracePeriodSeconds"] == 5 + 20 + 10
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 5 + 20 + 30
     upstream = parse_config(yaml.safe_load(configmap["data"]["config.yaml"]), env={}).routes[0]
     assert upstream.upstream == "http://127.0.0.1:9000"
     assert find(docs, "Service") == []

@@ -111,14 +111,25 @@ maxRouteTimeoutSeconds says it.
 
 {{/*
 terminationGracePeriodSeconds: the value if set, else the preStop delay + the longest route
-timeout + 10 s (the proxy's own 5 s of drain margin, and 5 s to record outcomes and exit).
+timeout + 30 s (the claim and the recording, the proxy's own margin, the conclusions of
+calls it cancels, the journal's last flush, and the exit).
 */}}
 {{- define "tool-proxy.terminationGracePeriodSeconds" -}}
 {{- if not (kindIs "invalid" .Values.terminationGracePeriodSeconds) -}}
 {{- .Values.terminationGracePeriodSeconds | int -}}
 {{- else -}}
-{{- add (.Values.shutdownDelaySeconds | int) (include "tool-proxy.maxRouteTimeout" . | int) 10 -}}
+{{- add (.Values.shutdownDelaySeconds | int) (include "tool-proxy.maxRouteTimeout" . | int) 30 -}}
 {{- end -}}
+{{- end }}
+
+{{/*
+serve --graceful-timeout: how long the proxy waits for requests before it cancels them (and
+records their calls FAILED): the grace period less the preStop delay and 15 s to conclude,
+flush the journal and exit, so it is done before the kubelet's SIGKILL.
+*/}}
+{{- define "tool-proxy.gracefulTimeout" -}}
+{{- $left := sub (include "tool-proxy.terminationGracePeriodSeconds" . | int) (.Values.shutdownDelaySeconds | int) -}}
+{{- max 1 (sub $left 15) -}}
 {{- end }}
 
 {{/* The number of pods that may run the proxy at once (for the SQLite check). */}}

@@ -20,6 +20,8 @@ and so do the sidecar snippets (_sidecar.tpl) that users add to their own pod sp
     - {{ .Values.workers | quote }}
     - --log-level
     - {{ .Values.logLevel | quote }}
+    - --graceful-timeout
+    - {{ include "tool-proxy.gracefulTimeout" . | quote }}
   ports:
     - name: {{ include "tool-proxy.portName" . }}
       containerPort: {{ .Values.containerPort }}
