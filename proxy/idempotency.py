@@ -72,6 +72,9 @@ Forward = Callable[[], Awaitable[UpstreamResponse]]
 CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
 RECORD_RETRY_SECONDS = 0.5
+# The share of lock_ttl, counted from when a claim or renewal was sent, during which this
+# process takes its lease to be alive; past it, a call not yet sent is not sent at all.
+LEASE_SAFETY = 0.9
 # Raised by ``forward`` when nothing reached the tool: the key is released.
 _NOT_SENT = (
     UpstreamUnreachable,
@@ -202,7 +205,7 @@ class Tee:
 class Lease:
     """One claim held by a call in this process; ``stop`` ends its renewals."""
 
-    __slots__ = ("_leases", "lookup", "op", "owner", "stopped")
+    __slots__ = ("_leases", "lookup", "op", "owner", "stopped", "valid_until")
 
     def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
         self._leases = leases
@@ -210,6 +213,8 @@ class Lease:
         self.owner = owner
         self.stopped = False
         self.lookup: Lookup | None = None
+        self.valid_until = math.inf
+        """Until when this process may take the lease to be its own (the loop's clock)."""
 
     def stop(self) -> None:
         """No more renewals."""
@@ -233,8 +238,11 @@ class Leases:
         self._held: set[Lease] = set()
         self._timer: asyncio.TimerHandle | None = None
 
-    def hold(self, op: Operation, owner: str) -> Lease:
+    def hold(self, op: Operation, owner: str, claimed_at: float | None = None) -> Lease:
+        """A lease on a claim sent at ``claimed_at`` (the loop's clock; default now)."""
         lease = Lease(self, op, owner)
+        sent = asyncio.get_running_loop().time() if claimed_at is None else claimed_at
+        lease.valid_until = sent + self._guard.policy.lock_ttl * LEASE_SAFETY
         self._held.add(lease)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._interval, self._tick)
@@ -257,12 +265,15 @@ class Leases:
         guard, op = self._guard, lease.op
         try:
             policy = guard.policy
-            held = await guard.store.renew(op.key, lease.owner, policy.lock_ttl, policy.result_ttl)
+            sent = asyncio.get_running_loop().time()
+            held = await guard.store.renew(op.key, lease.owner, policy.lock_ttl, guard._record_ttl)
         except StoreUnavailable as exc:  # keep trying: the store may be back in time
             guard.log.warning(
                 "lease_renewal_failed", route=guard.route.name, key=op.label, error=exc.detail
             )
             return
+        if held:
+            lease.valid_until = sent + guard.policy.lock_ttl * LEASE_SAFETY
         if not held and not lease.stopped:  # stopped: recorded or released meanwhile
             self.drop(lease)
             guard.log.warning("lease_lost", route=guard.route.name, key=op.label)
@@ -300,6 +311,9 @@ class Guard:
         self._methods = frozenset(policy.methods)
         self._release_on = frozenset(policy.release_on_status)
         self._reexecute_lapsed = policy.on_lapsed_lease is LapsedLease.REEXECUTE
+        # An IN_PROGRESS record lives result_ttl past the end of its lease, so a lapsed
+        # lease is always seen (FAILED), never mistaken for a free key.
+        self._record_ttl = policy.result_ttl + policy.lock_ttl
         # Bodies up to this size (of a known length) are read whole; others stream to the
         # caller while they are spooled, so memory stays bounded whatever the tool sends.
         self._read_whole = offload.threshold if offload else DEFAULT_OFFLOAD_THRESHOLD
@@ -318,12 +332,13 @@ class Guard:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + policy.conflict_wait
         while True:
+            started = loop.time()
             claim = await self.store.claim(
                 op.key,
                 op.fingerprint,
                 owner,
                 policy.lock_ttl,
-                policy.result_ttl,
+                self._record_ttl,
                 reexecute_lapsed=self._reexecute_lapsed,
             )
             if claim.record is None:
@@ -333,7 +348,7 @@ class Guard:
                 await asyncio.sleep(min(CONFLICT_POLL_SECONDS, max(deadline - loop.time(), 0)))
                 continue
             if claim.record.state is State.FAILED and lookup is not None:
-                settled = await self._reconcile_failed(op, lookup)
+                settled = await self._reconcile_failed(op, lookup, claim.record)
                 if settled is RELEASE:
                     continue  # the tool says it did not run: claim it and execute
                 stored = settled.stored or stored
@@ -344,7 +359,7 @@ class Guard:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
-        lease = self._leases.hold(op, owner)
+        lease = self._leases.hold(op, owner, started)
         lease.lookup = lookup
         self.tasks.enter()
         try:
@@ -374,6 +389,7 @@ class Guard:
     async def _execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
         """Forward the claimed call and conclude its record."""
         try:
+            self._check_lease(lease)
             upstream = await forward()
         except _NOT_SENT:
             await self._conclude(lease, RELEASE)
@@ -406,10 +422,35 @@ class Guard:
         except asyncio.CancelledError:
             await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
             raise
-        verdict = await self._verdict(lease, upstream, body)
+        try:
+            verdict = await self._verdict(lease, upstream, body)
+        except asyncio.CancelledError:  # uploading it: the answer is at hand, keep it
+            self.tasks.spawn(self._verdict_and_conclude(lease, upstream, body))
+            raise
         await self._conclude(lease, verdict)
         answer = StoredResponse(upstream.status, upstream.headers, body)
         return reply(answer, replayed=False), verdict.outcome
+
+    async def _verdict_and_conclude(
+        self, lease: Lease, upstream: UpstreamResponse, body: bytes | Spool
+    ) -> None:
+        """Finish, in the background, a conclusion whose request was cancelled."""
+        try:
+            await self._conclude(lease, await self._verdict(lease, upstream, body))
+        finally:
+            if isinstance(body, Spool):
+                body.close()
+
+    def _check_lease(self, lease: Lease) -> None:
+        """Refuse to send a call whose lease may have lapsed (this process stalled since
+        its claim): another call may have taken the key over, or a reconcile look-up may
+        have found nothing and released it."""
+        if asyncio.get_running_loop().time() > lease.valid_until:
+            self.log.error("lease_lapsed_before_sending", route=self.route.name, key=lease.op.label)
+            raise UpstreamUnreachable(
+                "the proxy stalled between the claim and the send, longer than lock_ttl: "
+                "the call was not sent; retry it"
+            )
 
     def _lost(self, lease: Lease, how: str, why: str) -> OutcomeUnknown:
         """The proxy itself ``how`` (failed, cancelled) while the call was in flight: the
@@ -428,7 +469,11 @@ class Guard:
         (the key is released)."""
         failure = StoredResponse.of_problem(exc)
         if ask and self.reconciler is not None and lease.lookup is not None:
-            finding, found = await self.reconciler.ask(lease.op, lease.lookup, "at_failure")
+            try:
+                finding, found = await self.reconciler.ask(lease.op, lease.lookup, "at_failure")
+            except asyncio.CancelledError:
+                self.tasks.spawn(self._conclude(lease, Verdict(failure, State.FAILED)))
+                raise
             if finding is Finding.FOUND and found is not None:
                 await self._conclude(lease, Verdict(found))
                 return reply(found, replayed=False), Outcome.EXECUTED
@@ -442,7 +487,7 @@ class Guard:
         await self._conclude(lease, Verdict(failure, State.FAILED))
         return reply(failure, replayed=False), Outcome.FAILED
 
-    async def _reconcile_failed(self, op: Operation, lookup: Lookup) -> Verdict:
+    async def _reconcile_failed(self, op: Operation, lookup: Lookup, record: Record) -> Verdict:
         """A retry met a FAILED record: ask the tool again (bounded) and settle the record
         with what it says. The verdict's response (None: keep replaying the failure), or
         RELEASE once the record is released."""
@@ -455,7 +500,9 @@ class Guard:
         payload = b"" if found is None else found.encode()
         state = None if found is None else State.COMPLETED
         try:
-            settled = await self.store.settle(op.key, state, payload, self.policy.result_ttl)
+            settled = await self.store.settle(
+                op.key, state, payload, self.policy.result_ttl, owner=record.owner
+            )  # only the failure it asked about: never a newer one of another call
         except StoreUnavailable as exc:
             self.log.warning("reconcile_not_settled", route=self.route.name, error=exc.detail)
             return Verdict(found) if found is not None else UNSETTLED
@@ -525,7 +572,13 @@ class Guard:
             except asyncio.CancelledError:
                 await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
                 raise
-            await self._conclude(lease, await self._verdict(lease, upstream, spool))
+            try:
+                verdict = await self._verdict(lease, upstream, spool)
+            except asyncio.CancelledError:  # uploading it: the answer is at hand, keep it
+                spool.hold()
+                self.tasks.spawn(self._verdict_and_conclude(lease, upstream, spool))
+                raise
+            await self._conclude(lease, verdict)
             tee.end()
         except BaseException as exc:
             lease.stop()
@@ -643,7 +696,7 @@ class Guard:
             await self._record_refused(lease, state, exc)
             return
         except StoreUnavailable as exc:
-            self._record_in_background(lease, state, payload, exc)
+            await self._keep_for_later(lease, state, payload, exc)
             return
         except Exception as exc:  # a bug, or a store that broke its contract
             await self._record_refused(lease, state, exc)
@@ -665,7 +718,7 @@ class Guard:
         except StoreRefused:
             raise
         except StoreUnavailable as again:
-            self._record_in_background(lease, State.COMPLETED, payload, again)
+            await self._keep_for_later(lease, State.COMPLETED, payload, again)
             return
         lease.stop()
 
@@ -682,9 +735,11 @@ class Guard:
                 note="another owner took the key over; its outcome is kept",
             )
 
-    def _record_in_background(
+    async def _keep_for_later(
         self, lease: Lease, state: State, payload: bytes, exc: StoreUnavailable
     ) -> None:
+        """The store is out of reach: the outcome goes to the journal (on disk before the
+        caller gets the end of its answer), or, failing that, is retried from memory."""
         self.log.error(
             "outcome_not_recorded_yet",
             route=self.route.name,
@@ -692,11 +747,8 @@ class Guard:
             error=exc.detail,
             note="kept in the journal until the store answers",
         )
-        self.tasks.spawn(self._journal_or_retry(lease, state, payload))
-
-    async def _journal_or_retry(self, lease: Lease, state: State, payload: bytes) -> None:
         if not await self._journal(lease, state, payload):
-            await self._record_later(lease, state, payload)
+            self.tasks.spawn(self._record_later(lease, state, payload))
 
     async def _journal(self, lease: Lease, state: State | None, payload: bytes) -> bool:
         """Keep the outcome (``state`` None: the release) in the journal; False if there is
@@ -733,6 +785,11 @@ class Guard:
                 await asyncio.sleep(RECORD_RETRY_SECONDS)
                 try:
                     await self._complete(lease, state, payload)
+                except StoreRefused as exc:
+                    if state is State.FAILED or payload.startswith(b"v2 410"):
+                        raise
+                    payload = self._not_kept(lease, exc).encode()  # once, in its small form
+                    continue
                 except StoreUnavailable:
                     continue
                 self._event(lease, "recorded_late")

@@ -3,10 +3,12 @@ also by the next proxy to start."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -174,3 +176,45 @@ def test_an_unwritable_state_dir_is_a_cli_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "state_dir: the journal cannot be kept" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_entry_being_written_is_never_truncated_away(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store comes back while an entry is on its way to disk: recording the earlier
+    entries must not truncate the file under it."""
+    import proxy.journal as journal_module
+
+    store, log = MemoryStore(), EventLog()
+    journal = Journal(tmp_path, store, log)
+    journal.open()
+    await journal.keep(entry(1))
+    written = asyncio.Event()
+    append = journal_module._append
+
+    def slow_append(file: Any, data: bytes) -> None:
+        append(file, data)  # on disk, but not yet known as pending
+        time.sleep(0.2)
+
+    monkeypatch.setattr(journal_module, "_append", slow_append)
+
+    async def keep_second() -> None:
+        await journal.keep(entry(2))
+        written.set()
+
+    task = asyncio.create_task(keep_second())
+    await asyncio.sleep(0.05)
+    await journal.flush()  # records entry 1 while entry 2 is being written
+    await written.wait()
+    await task
+    assert journal._own is not None
+    assert entry(2) in read_entries(journal._own.read_bytes())
+    journal.close()
+
+
+def test_a_journal_file_gone_before_it_is_adopted_is_skipped(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, MemoryStore(), EventLog())
+    journal._adopt(tmp_path / "gone.journal")  # adopted and finished by another process
+    assert len(journal) == 0

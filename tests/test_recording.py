@@ -22,7 +22,7 @@ from proxy.background import TaskSet
 from proxy.config import parse_config
 from proxy.errors import OutcomeUnknown
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import OWNERS, Outcome
+from proxy.idempotency import OWNERS, Guard, Outcome
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State
@@ -293,3 +293,111 @@ async def test_a_release_the_store_cannot_take_is_journaled_and_applied_later(
     assert await store.get(OP.key) is None  # released: a retry executes
     assert "journal_released" in log.events
     journal.close()
+
+
+async def test_a_call_is_not_sent_when_the_proxy_stalled_past_its_lease() -> None:
+    """The claim came back later than lock_ttl (the process stalled): another call may
+    have taken the key over or had it released, so this one is not sent at all."""
+
+    class Slow(MemoryStore):
+        async def claim(self, *args: Any, **kwargs: Any) -> Any:
+            claimed = await super().claim(*args, **kwargs)
+            await asyncio.sleep(0.35)  # the stall, after the claim was made
+            return claimed
+
+    store, log = Slow(), EventLog()
+    guard = make_guard(store, log, lock_ttl=0.3)
+    sent: list[int] = []
+
+    async def forward() -> UpstreamResponse:
+        sent.append(1)
+        return Answer(b"{}")
+
+    from proxy.errors import UpstreamUnreachable
+
+    with pytest.raises(UpstreamUnreachable):
+        await guard.run(OP, forward)
+    assert sent == []
+    assert "lease_lapsed_before_sending" in log.events
+    assert await store.get(OP.key) is None  # released: nothing was sent
+
+
+async def test_a_refused_late_recording_falls_back_to_the_small_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No journal: the outcome is retried from memory; when the store then refuses it,
+    the small "not kept" form is recorded instead of retrying the whole one."""
+    import proxy.idempotency as idempotency
+    from proxy.errors import StoreRefused, StoreUnavailable
+
+    monkeypatch.setattr(idempotency, "RECORD_RETRY_SECONDS", 0.01)
+    answers: list[Exception | None] = [StoreUnavailable("down"), StoreRefused("OOM"), None]
+
+    class Flaky(MemoryStore):
+        async def complete(self, *args: Any) -> bool:
+            failure = answers.pop(0) if answers else None
+            if failure is not None:
+                raise failure
+            return await super().complete(*args)
+
+    store, log = Flaky(), EventLog()
+    guard = make_guard(store, log)
+    response, outcome = await guard.run(OP, answering(b'{"ok": true}'))
+    assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
+    assert await guard.tasks.drain(5)
+    record = await store.get(OP.key)
+    assert record is not None and StoredResponse.decode(record.payload).status == 410
+    assert "outcome_recorded_late" in log.events
+
+
+async def test_a_call_cancelled_during_its_reconcile_lookup_is_still_recorded() -> None:
+    store, log = MemoryStore(), EventLog()
+    spec = {"name": "tool", "path_prefix": "/t", "upstream": "http://127.0.0.1:9"}
+    config = parse_config(
+        {"routes": [{**spec, "idempotency": {}, "reconcile": {"path": "/c/{key}"}}]}, env={}
+    )
+    (route_config,) = config.routes
+    assert route_config.idempotency is not None
+    guard = Guard(route_config, route_config.idempotency, store, TaskSet(), log)
+    asking = asyncio.Event()
+
+    async def times_out() -> UpstreamResponse:
+        raise OutcomeUnknown("no answer in time", status=504)
+
+    async def lookup(method: str, target: str, seconds: float) -> UpstreamResponse:
+        asking.set()
+        await asyncio.sleep(30)
+        raise AssertionError("not cancelled")
+
+    call = asyncio.ensure_future(guard.run(OP, times_out, lookup))
+    await asking.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert await guard.tasks.drain(5)
+    record = await store.get(OP.key)
+    assert record is not None and record.state is State.FAILED
+    assert not guard._leases._held
+
+
+async def test_a_lapsed_lease_is_seen_even_when_result_ttl_equals_lock_ttl() -> None:
+    """The record lives result_ttl past the end of its lease: never a free key."""
+
+    class Clock:
+        now = 100.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    store, log = MemoryStore(clock), EventLog()
+    guard = make_guard(store, log, lock_ttl=1.0, result_ttl=1.0)
+    seen: list[Any] = []
+
+    async def dies_mid_call() -> UpstreamResponse:
+        clock.now += 1.5  # past the lease (and past result_ttl from the claim)
+        seen.append(await store.get(OP.key))
+        raise RuntimeError("stop here")
+
+    await guard.run(OP, dies_mid_call)
+    assert seen[0] is not None and seen[0].state is State.IN_PROGRESS

@@ -525,3 +525,13 @@ async def test_locks_have_one_holder_and_expire(store: Store, later: Later) -> N
     assert not await store.acquire("fetch", "later", 0.2)
     await later(0.35)
     assert await store.acquire("fetch", "later", 0.2)
+
+
+async def test_settle_is_fenced_by_the_owner_it_saw(store: Store) -> None:
+    """A slow look-up must not settle a newer failure of another call."""
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    await store.complete(KEY, "a", "fp", State.FAILED, b"unknown", RESULT)
+    assert not await store.settle(KEY, None, b"", RESULT, owner="b")
+    assert not await store.settle(KEY, State.COMPLETED, b"x", RESULT, owner="b")
+    assert await store.settle(KEY, None, b"", RESULT, owner="a")
+    assert await store.get(KEY) is None

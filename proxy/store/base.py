@@ -160,10 +160,17 @@ class Store(Protocol):
         end. For operators: bounded work per call, however many records there are."""
 
     async def settle(
-        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        state: State | None,
+        payload: bytes,
+        result_ttl: float,
+        *,
+        owner: str | None = None,
     ) -> bool:
         """Resolve a FAILED record: record it as ``state`` with ``payload``, or delete it
-        (``state`` None); False unless the record is FAILED now."""
+        (``state`` None); False unless the record is FAILED now (and, given ``owner``,
+        still the one of that owner: not a newer failure of another call)."""
 
     async def delete(self, key: RecordKey) -> bool:
         """Delete a record whatever its state; False if there was none."""

@@ -148,10 +148,18 @@ class MemoryStore:
         return ("\x00".join(keys[-1]) if more else ""), found
 
     async def settle(
-        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        state: State | None,
+        payload: bytes,
+        result_ttl: float,
+        *,
+        owner: str | None = None,
     ) -> bool:
         entry = self._live(key)
         if entry is None or entry.record.state is not State.FAILED:
+            return False
+        if owner is not None and entry.record.owner != owner:
             return False
         if state is None:
             self._forget(key)

@@ -54,9 +54,13 @@ MAX_CONNECTIONS = 16
 RETRIES = 2
 
 Command = tuple[Any, ...]
-# The largest payload sent: Redis refuses arguments above proto-max-bulk-len (512 MiB by
-# default) by closing the connection; a margin is left for the record's other fields.
-MAX_PAYLOAD_BYTES = 512 * 1024 * 1024 - 64 * 1024
+# The largest payload kept inline: a round trip carries it whole, over the one connection
+# every request shares (Redis itself would take up to proto-max-bulk-len, 512 MiB). Larger
+# answers go to object storage (offload) or are recorded as not kept (410).
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+# A round trip's deadline grows with what it sends, at this many bytes a second (a slow
+# link must not time out, and resend, a large outcome for ever).
+BYTES_PER_SECOND = 8 * 1024 * 1024
 # Error replies that no retry will turn into success: the write is refused (``StoreRefused``),
 # not the store out of reach. READONLY (a failover under way) is not among them.
 REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
@@ -171,11 +175,12 @@ end
 return 0
 """
 
-# KEYS: record. ARGV: new state ('' to delete), payload, result_ms.
+# KEYS: record. ARGV: new state ('' to delete), payload, result_ms, owner ('' for any).
 _SETTLE = (
     _NOW
     + """
-if redis.call('HGET', KEYS[1], 'st') ~= 'failed' then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
+if r[1] ~= 'failed' or (ARGV[4] ~= '' and r[2] ~= ARGV[4]) then return 0 end
 if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
 redis.call('HSET', KEYS[1], 'st', ARGV[1], 'pl', ARGV[2], 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -307,7 +312,7 @@ class Coalescer:
         connection = self._connection
         for attempt in range(RETRIES + 1):
             try:
-                async with asyncio.timeout(self._timeout):
+                async with asyncio.timeout(self._timeout + len(packed) / BYTES_PER_SECOND):
                     if not connection.is_connected:
                         await connection.connect()  # type: ignore[no-untyped-call]
                     await connection.send_packed_command(packed, check_health=False)
@@ -428,9 +433,15 @@ class RedisStore:
         return ("" if position == "0" else position), found
 
     async def settle(
-        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        state: State | None,
+        payload: bytes,
+        result_ttl: float,
+        *,
+        owner: str | None = None,
     ) -> bool:
-        args = ("" if state is None else state.value, payload, _ms(result_ttl))
+        args = ("" if state is None else state.value, payload, _ms(result_ttl), owner or "")
         return bool(await self._script(_SETTLE, [record_key(key)], *args))
 
     async def delete(self, key: RecordKey) -> bool:

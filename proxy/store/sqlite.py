@@ -154,9 +154,16 @@ class SQLiteStore:
         return await self._run(lambda: _scan(self._conn(), self._clock(), cursor, count))
 
     async def settle(
-        self, key: RecordKey, state: State | None, payload: bytes, result_ttl: float
+        self,
+        key: RecordKey,
+        state: State | None,
+        payload: bytes,
+        result_ttl: float,
+        *,
+        owner: str | None = None,
     ) -> bool:
-        return await self._run(self._transaction, _settle, key, state, payload, result_ttl)
+        args = (key, state, payload, result_ttl, owner)
+        return await self._run(self._transaction, _settle, *args)
 
     async def delete(self, key: RecordKey) -> bool:
         return await self._run(self._transaction, _delete, key)
@@ -350,15 +357,20 @@ def _settle(
     state: State | None,
     payload: bytes,
     result_ttl: float,
+    owner: str | None,
 ) -> bool:
     where = "WHERE slot = ? AND name = ? AND state = 'failed' AND expires_at > ?"
+    fence: tuple[Any, ...] = (key.slot, key.name, now)
+    if owner is not None:
+        where += " AND owner = ?"
+        fence += (owner,)
     if state is None:
-        cursor = db.execute(f"DELETE FROM step_records {where}", (key.slot, key.name, now))
+        cursor = db.execute(f"DELETE FROM step_records {where}", fence)
     else:
         cursor = db.execute(
             f"UPDATE step_records SET state = ?, payload = ?, expires_at = ?, updated_at = ?"
             f" {where}",
-            (state.value, payload, now + result_ttl, now, key.slot, key.name, now),
+            (state.value, payload, now + result_ttl, now, *fence),
         )
     return cursor.rowcount == 1
 
