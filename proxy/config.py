@@ -367,10 +367,12 @@ class LimitConfig(_Strict):
 # A resource lock's lease (routes[].lock.ttl): renewed every third of it while the call
 # runs; the lock of a replica that dies is free again at most this long after.
 DEFAULT_RESOURCE_LOCK_TTL = 30.0
-# How long a call waits for a resource's lock (routes[].lock.wait).
+# How long a call waits for a resource's lock (routes[].lock.wait, versioning.wait).
 DEFAULT_RESOURCE_WAIT = 10.0
 # The request header that carries the lock's fencing token to the tool.
 DEFAULT_FENCING_HEADER = "Fencing-Token"
+# The writes that versioning checks and counts by default.
+DEFAULT_VERSIONED_METHODS = ("PUT", "PATCH", "POST")
 
 
 def check_resource_key(key: str) -> str:
@@ -410,6 +412,35 @@ class LockConfig(_Strict):
         return name
 
 
+class VersioningConfig(_Strict):
+    """Optimistic concurrency for a tool without it: a version per resource key, ETags,
+    If-Match and If-None-Match checked before a write is forwarded."""
+
+    key: str
+    methods: tuple[str, ...] = DEFAULT_VERSIONED_METHODS
+    required: bool = False
+    wait: Wait = DEFAULT_RESOURCE_WAIT
+    """How long a write waits while another write of the same resource is in flight."""
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        return check_resource_key(key)
+
+    @field_validator("methods")
+    @classmethod
+    def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        upper = tuple(m.upper() for m in methods)
+        for method in upper:
+            if not _METHOD.fullmatch(method):
+                raise ValueError(f"not an HTTP method: {method!r}")
+            if method in ("GET", "HEAD"):
+                raise ValueError(f"{method} is a read: it gets an ETag, it is never a write")
+        if not upper:
+            raise ValueError("at least one method must be versioned")
+        return upper
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -441,10 +472,12 @@ class RouteConfig(_Strict):
     limit_wait: Wait = 0.0
     limits_on_store_down: StoreDown = StoreDown.CLOSED
     lock: LockConfig | None = None
+    versioning: VersioningConfig | None = None
 
     def resource_wait(self) -> float:
-        """The longest a call waits for its resource's lock."""
-        return 0.0 if self.lock is None else self.lock.wait
+        """The longest a call waits for its resource's lock and version reservation."""
+        lock = 0.0 if self.lock is None else self.lock.wait
+        return lock + (0.0 if self.versioning is None else self.versioning.wait)
 
     @field_validator("limits")
     @classmethod

@@ -29,6 +29,12 @@ def locked(upstream: str, guarded: bool = False, **lock: Any) -> dict[str, Any]:
     return spec
 
 
+def versioned(upstream: str, **versioning: Any) -> dict[str, Any]:
+    spec = route(upstream, guarded=False)
+    spec["versioning"] = {"key": "path:0", **versioning}
+    return spec
+
+
 def debit(
     base: str, account: str = "A", query: str = "", headers: dict[str, str] | None = None
 ) -> httpx.Response:
@@ -52,6 +58,7 @@ def assert_locked(answer: httpx.Response) -> None:
 
 def test_lock_and_versioning_keys_are_checked_each_naming_its_field() -> None:
     bad = locked("http://h", key="body:/account", ttl=0, colour=1)
+    bad["versioning"] = {"key": "path:x", "methods": ["GET"], "required": "maybe"}
     with pytest.raises(ConfigError) as caught:
         parse_config({"routes": [bad]}, env={})
     fields = [p.split(":", 1)[0] for p in caught.value.problems]
@@ -59,6 +66,9 @@ def test_lock_and_versioning_keys_are_checked_each_naming_its_field() -> None:
         "routes[0].lock.key",
         "routes[0].lock.ttl",
         "routes[0].lock.colour",
+        "routes[0].versioning.key",
+        "routes[0].versioning.methods",
+        "routes[0].versioning.required",
     ):
         assert field in fields, caught.value.problems
     good = parse_config({"routes": [locked("http://h", key="header:X-Account")]}, env={})
@@ -192,6 +202,73 @@ def test_a_guarded_call_refused_by_the_lock_releases_its_key(
     assert again.status_code == 200 and "idempotent-replayed" not in again.headers
 
 
+# -- versioned writes -------------------------------------------------------------------------
+
+
+def put(base: str, resource: str = "s1", **headers: str) -> httpx.Response:
+    sent = {k.replace("_", "-"): v for k, v in headers.items()}
+    query = sent.pop("query", "")
+    return httpx.put(f"{base}/tools/{resource}{query}", content=b"{}", headers=sent, timeout=10)
+
+
+def test_reads_carry_the_version_and_writes_must_name_the_current_one(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(versioned(tool.url))
+    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"0"'
+    first = put(proxy.url, if_none_match="*")
+    assert first.status_code == 200 and first.headers["etag"] == '"1"'
+    again = put(proxy.url, if_none_match="*")
+    assert again.status_code == 412, again.text
+    assert again.json()["type"] == "urn:tool-proxy:problem:precondition-failed"
+    assert again.headers["etag"] == '"1"'
+    assert put(proxy.url, if_match='"1"').headers["etag"] == '"2"'
+    stale = put(proxy.url, if_match='"1"')
+    assert stale.status_code == 412 and stale.headers["etag"] == '"2"'
+    assert put(proxy.url, if_match='W/"2"').status_code == 412  # weak tags never match
+    assert put(proxy.url, if_match='"7", "2"').status_code == 200
+    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"3"'
+    assert httpx.get(proxy.url + "/tools/s2").headers["etag"] == '"0"'
+    listing = httpx.get(proxy.url + "/tools")
+    assert listing.status_code == 200 and "etag" not in listing.headers
+    assert httpx.put(proxy.url + "/tools", content=b"{}").status_code == 400
+    assert put(proxy.url).headers["etag"] == '"4"'  # not required: counted all the same
+    writes = [r for r in tool.requests if r["method"] == "PUT"]
+    assert len(writes) == 4
+
+
+def test_a_failed_write_keeps_the_version(make_proxy: ProxyFactory, tool: CountingTool) -> None:
+    proxy = make_proxy(versioned(tool.url))
+    refused = put(proxy.url, if_match="*", query="?status=500")
+    assert refused.status_code == 412  # never written: * does not match version 0
+    failed = put(proxy.url, if_none_match="*", query="?status=500")
+    assert failed.status_code == 500 and failed.headers["etag"] == '"0"'
+    assert put(proxy.url, if_none_match="*").headers["etag"] == '"1"'
+
+
+def test_a_write_without_a_precondition_is_428_when_required(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(versioned(tool.url, required=True))
+    answer = put(proxy.url)
+    assert answer.status_code == 428, answer.text
+    assert answer.json()["type"] == "urn:tool-proxy:problem:precondition-required"
+    assert httpx.get(proxy.url + "/tools/s1").status_code == 200  # reads need none
+    assert tool.total == 1
+
+
+def test_concurrent_writes_with_the_same_if_match_reach_the_tool_once(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(versioned(tool.url))
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        answers = list(
+            pool.map(lambda _: put(proxy.url, if_none_match="*", query="?delay=0.1"), range(5))
+        )
+    assert sorted(a.status_code for a in answers) == [200, 412, 412, 412, 412]
+    assert tool.total == 1
+
+
 # -- shared by replicas (real Redis, two proxy processes) -------------------------------------
 
 
@@ -262,3 +339,18 @@ def test_a_waiter_on_another_replica_past_wait_gets_409(
         assert debit(b.url, "B").status_code == 200  # another account is free
         assert held.result().status_code == 200
     assert tool.total == 2
+
+
+@pytest.mark.parametrize("two_proxies", [versioned], indirect=True)
+def test_two_agents_writing_version_1_across_replicas_one_wins_one_gets_412(
+    two_proxies: list[ProxyProcess], tool: CountingTool
+) -> None:
+    a, b = two_proxies
+    assert put(a.url, if_none_match="*").headers["etag"] == '"1"'
+    read = [httpx.get(p.url + "/tools/s1").headers["etag"] for p in (a, b)]
+    assert read == ['"1"', '"1"']
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda p: put(p.url, if_match='"1"', query="?delay=0.3"), (a, b)))
+    assert sorted(r.status_code for r in answers) == [200, 412]
+    assert {r.headers["etag"] for r in answers} == {'"2"'}
+    assert len([r for r in tool.requests if r["method"] == "PUT"]) == 2  # the first, one more

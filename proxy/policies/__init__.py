@@ -10,8 +10,9 @@
                ``build_chain`` gives None for a route without any: it pays nothing
 
 The policies: ``lock`` (one call at a time per resource, with fencing tokens),
-``limits`` (rates, concurrency, token costs, the tool's own pauses), in that order
-around the send: a call waits for its resource before it takes from the limits.
+``versioning`` (ETags and If-Match for tools without them), ``limits`` (rates,
+concurrency, token costs, the tool's own pauses), in that order around the send: a call
+waits for its resource before it takes from the limits.
 """
 
 from __future__ import annotations
@@ -89,11 +90,18 @@ def build_chain(
 ) -> Chain | None:
     """The route's chain from its configuration; None if it has no policy."""
     policies: list[Policy] = []
-    if route.lock is not None:
-        from proxy.policies.lock import Lock
+    if route.lock is not None or route.versioning is not None:
         from proxy.store import make_locks
 
-        policies.append(Lock(route, make_locks(store), metrics, tasks, log))
+        locks = make_locks(store)
+        if route.lock is not None:
+            from proxy.policies.lock import Lock
+
+            policies.append(Lock(route, locks, metrics, tasks, log))
+        if route.versioning is not None:
+            from proxy.policies.versioning import Versioning
+
+            policies.append(Versioning(route, locks, metrics, tasks, log))
     if route.limits is not None:
         from proxy.policies.limits import Limits
         from proxy.store import make_buckets
