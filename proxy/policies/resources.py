@@ -117,7 +117,8 @@ class Held:
     owner: str
     token: int
     line: _Line
-    renewal: asyncio.Task[None] | None = None
+    renewal: asyncio.TimerHandle | asyncio.Task[None] | None = None
+    """A timer until the first renewal (most calls end before it), then a task."""
 
 
 class Locker:
@@ -155,7 +156,11 @@ class Locker:
         line = self._lines.setdefault(key, _Line())
         line.users += 1
         try:
-            await asyncio.wait_for(line.lock.acquire(), max(self.wait, 0.001))
+            if line.lock.locked():
+                async with asyncio.timeout(self.wait):  # a timer, not a task (wait_for)
+                    await line.lock.acquire()
+            else:  # had at once
+                await line.lock.acquire()
         except TimeoutError:
             self._leave(key, line)
             raise self._locked(key, self.ttl) from None
@@ -168,7 +173,7 @@ class Locker:
             line.lock.release()
             self._leave(key, line)
             raise
-        held.renewal = loop.create_task(self._renew(held))
+        held.renewal = loop.call_later(self.ttl / 3, self._renew_due, held, loop.time())
         return held
 
     async def _ask_until(
@@ -241,13 +246,15 @@ class Locker:
             held.line.lock.release()
             self._leave(held.key, held.line)
 
-    async def _renew(self, held: Held) -> None:
+    def _renew_due(self, held: Held, taken: float) -> None:
+        held.renewal = self.tasks.spawn(self._renew(held, taken))
+
+    async def _renew(self, held: Held, taken: float) -> None:
         """Renew every third of the ttl while the call runs (at most the route's timeout:
         a body nobody reads cannot hold a lock for ever)."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.call_seconds + self.ttl
+        give_up = taken + self.call_seconds + self.ttl
         while loop.time() < give_up:
-            await asyncio.sleep(self.ttl / 3)
             try:
                 if not await self.locks.renew(held.key, held.owner, self.ttl):
                     self.log.warning("resource_lock_lost", route=self.route, policy=self.policy)
@@ -255,3 +262,4 @@ class Locker:
                     return
             except StoreUnavailable as exc:
                 self.log.warning("resource_lock_renewal_failed", route=self.route, error=exc.detail)
+            await asyncio.sleep(self.ttl / 3)
