@@ -371,6 +371,20 @@ DEFAULT_RESOURCE_LOCK_TTL = 30.0
 DEFAULT_RESOURCE_WAIT = 10.0
 # The request header that carries the lock's fencing token to the tool.
 DEFAULT_FENCING_HEADER = "Fencing-Token"
+# Headers a fencing token may not take the place of.
+_PROXY_HEADERS = frozenset(
+    {
+        "host",
+        "authorization",
+        "content-length",
+        "content-type",
+        "idempotency-key",
+        "connection",
+        "transfer-encoding",
+        "if-match",
+        "if-none-match",
+    }
+)
 # The writes that versioning checks and counts by default.
 DEFAULT_VERSIONED_METHODS = ("PUT", "PATCH", "POST")
 
@@ -409,6 +423,9 @@ class LockConfig(_Strict):
     def _header(cls, name: str) -> str:
         if not _HEADER_NAME.fullmatch(name):
             raise ValueError("not a header name")
+        low = name.lower()
+        if low in _PROXY_HEADERS or low.startswith("x-forwarded-"):
+            raise ValueError(f"{name} is a header the proxy reads or sets itself")
         return name
 
 
@@ -473,6 +490,13 @@ class RouteConfig(_Strict):
     limits_on_store_down: StoreDown = StoreDown.CLOSED
     lock: LockConfig | None = None
     versioning: VersioningConfig | None = None
+
+    @model_validator(mode="after")
+    def _principal_needs_auth(self) -> RouteConfig:
+        for name, part in (("lock", self.lock), ("versioning", self.versioning)):
+            if part is not None and part.key == "principal" and self.auth is None:
+                raise ValueError(f"{name}.key: principal needs the route's auth (a caller)")
+        return self
 
     def resource_wait(self) -> float:
         """The longest a call waits for its resource's lock and version reservation."""

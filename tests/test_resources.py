@@ -71,6 +71,10 @@ def test_lock_and_versioning_keys_are_checked_each_naming_its_field() -> None:
         "routes[0].versioning.required",
     ):
         assert field in fields, caught.value.problems
+    with pytest.raises(ConfigError, match=r"routes\[0\]: .*lock.key: principal needs"):
+        parse_config({"routes": [locked("http://h", key="principal")]}, env={})
+    with pytest.raises(ConfigError, match=r"routes\[0\].lock.fencing_header: Authorization"):
+        parse_config({"routes": [locked("http://h", fencing_header="Authorization")]}, env={})
     good = parse_config({"routes": [locked("http://h", key="header:X-Account")]}, env={})
     lock = good.routes[0].lock
     assert lock is not None and lock.key == "header:x-account" and lock.ttl == 1.0
