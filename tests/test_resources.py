@@ -331,6 +331,21 @@ def test_a_killed_holder_frees_the_lock_after_its_ttl_and_the_next_token_is_larg
     assert int(tool.requests[-1]["headers"]["fencing-token"]) == 2
 
 
+def test_a_lock_is_renewed_while_its_call_runs_past_its_ttl(
+    make_proxy: ProxyFactory, tool: CountingTool, redis_server: RedisServer
+) -> None:
+    redis_server.flush()
+    a, b = (make_proxy(locked(tool.url, ttl="600ms", wait=0), store=redis_server.url) for _ in "ab")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(debit, a.url, "A", "?delay=1.5")
+        wait_for(lambda: tool.in_flight == 1, what="the holder at the tool")
+        time.sleep(1.0)  # past the first lease: only renewals keep it
+        assert_locked(debit(b.url, "A"))
+        assert held.result().status_code == 200
+    assert debit(b.url, "A").status_code == 200
+    assert tokens(tool) == [1, 2]
+
+
 @pytest.mark.parametrize("two_proxies", [_short_wait], indirect=True)
 def test_a_waiter_on_another_replica_past_wait_gets_409(
     two_proxies: list[ProxyProcess], tool: CountingTool
