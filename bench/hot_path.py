@@ -9,10 +9,12 @@ kernel are not in these numbers; ``bench/run`` measures them all together.
 
     .venv/bin/python bench/hot_path.py [--requests N] [--rounds R]
 
-Prints, for pass-through, first executions (a new key per request), replays (one key)
-and first executions on a route with one rate limit (``first-exec-limited``, a quota no
-run reaches), the best of R rounds of N requests, in µs of CPU per request, and the
-limited route's overhead as a ratio against the same run's plain first execution.
+Prints, for pass-through, first executions (a new key per request), replays (one key),
+first executions on a route with one rate limit (``first-exec-limited``, a quota no run
+reaches) and on a route with a resource lock (``first-exec-locked``, every call on the
+same resource, one after the other: each takes and frees the lock), the best of R rounds
+of N requests, in µs of CPU per request, and the limited and locked routes' overheads as
+ratios against the same run's plain first execution.
 """
 
 from __future__ import annotations
@@ -42,9 +44,13 @@ UPSTREAM_HEADERS = [
     (b"Content-Length", b"11"),
     (b"Connection", b"keep-alive"),
 ]
-SCENARIOS = ("passthrough", "first-exec", "replay", "first-exec-limited")
+SCENARIOS = ("passthrough", "first-exec", "replay", "first-exec-limited", "first-exec-locked")
 # A rate no benchmark run reaches: every request is admitted, and pays for the check.
 BENCH_LIMIT = {"name": "rpm", "key": "principal", "rate": "1000000000/1s"}
+# Every call on one resource (the body's "tool"): taken and freed once per request.
+BENCH_LOCK = {"key": "json:/tool", "ttl": "30s", "wait": "10s"}
+# The plans of first executions, never repeated in a run (a repeated one is a replay).
+_PLANS = itertools.count()
 
 
 class CannedUpstream(forwarding.Upstream):
@@ -88,6 +94,13 @@ def make_app() -> App:
             "idempotency": {},
             "limits": [BENCH_LIMIT],
         },
+        {
+            "name": "locked",
+            "path_prefix": "/locked",
+            "strip_prefix": True,
+            "idempotency": {},
+            "lock": BENCH_LOCK,
+        },
     ]
     upstream = "http://127.0.0.1:9"
     config = parse_config(
@@ -102,8 +115,13 @@ def make_app() -> App:
 def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
     """``n`` ASGI scopes as uvicorn makes them for wrk's requests in ``bench/run``."""
     args_hash = composite_key("bench", 1, BODY).rsplit(":", 1)[1]
-    plans = (f"hot{i}" for i in itertools.count())
-    path = {"passthrough": "/pass", "first-exec-limited": "/limited"}.get(scenario, "/tool")
+    plans = (f"hot{i}" for i in _PLANS)  # new keys in every batch, warm-up and round
+    paths = {
+        "passthrough": "/pass",
+        "first-exec-limited": "/limited",
+        "first-exec-locked": "/locked",
+    }
+    path = paths.get(scenario, "/tool")
     out = []
     for _ in range(n):
         headers = [
@@ -208,3 +226,5 @@ if __name__ == "__main__":
             print(f"{scenario:18} {value:6.1f} µs of CPU per request")
         ratio = best["first-exec-limited"] / best["first-exec"]
         print(f"one rate limit: {ratio:.3f} x first-exec")
+        ratio = best["first-exec-locked"] / best["first-exec"]
+        print(f"one resource lock: {ratio:.3f} x first-exec")

@@ -441,7 +441,7 @@ def call_seconds(route: RouteConfig) -> float:
     fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
     sends = 2 if token is not None and token.retry_on_401 else 1
     tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
-    seconds = tokens + route.timeout * sends + route.limit_wait
+    seconds = tokens + route.timeout * sends + route.limit_wait + route.resource_wait()
     if route.idempotency is not None:
         seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
     if route.reconcile is not None:  # a retry's look-up, then the whole call; or one at failure

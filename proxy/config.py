@@ -364,6 +364,100 @@ class LimitConfig(_Strict):
         return (0.0, 0.0) if self.rate is None else parse_rate(self.rate)
 
 
+# A resource lock's lease (routes[].lock.ttl): renewed every third of it while the call
+# runs; the lock of a replica that dies is free again at most this long after.
+DEFAULT_RESOURCE_LOCK_TTL = 30.0
+# How long a call waits for a resource's lock (routes[].lock.wait, versioning.wait).
+DEFAULT_RESOURCE_WAIT = 10.0
+# The request header that carries the lock's fencing token to the tool.
+DEFAULT_FENCING_HEADER = "Fencing-Token"
+# Headers a fencing token may not take the place of.
+_PROXY_HEADERS = frozenset(
+    {
+        "host",
+        "authorization",
+        "content-length",
+        "content-type",
+        "idempotency-key",
+        "connection",
+        "transfer-encoding",
+        "if-match",
+        "if-none-match",
+    }
+)
+# The writes that versioning checks and counts by default.
+DEFAULT_VERSIONED_METHODS = ("PUT", "PATCH", "POST")
+
+
+def check_resource_key(key: str) -> str:
+    """``json:<pointer>``, ``header:<name>`` (lower-cased), ``path:<segment index>`` or
+    ``principal``: where a request names the resource it acts on."""
+    if key == "principal":
+        return key
+    if key.startswith("header:") and _HEADER_NAME.fullmatch(key[7:]):
+        return "header:" + key[7:].lower()
+    if key.startswith("path:") and key[5:].isdigit() and int(key[5:]) < 64:
+        return "path:" + str(int(key[5:]))
+    if key.startswith("json:"):
+        return check_json_source(key)
+    raise ValueError(
+        "must be json:<pointer>, header:<name>, path:<segment index, 0..63> or principal"
+    )
+
+
+class LockConfig(_Strict):
+    """A per-resource lock: calls on one resource key run one at a time, across replicas."""
+
+    key: str
+    ttl: Duration = DEFAULT_RESOURCE_LOCK_TTL
+    wait: Wait = DEFAULT_RESOURCE_WAIT
+    fencing_header: str = DEFAULT_FENCING_HEADER
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        return check_resource_key(key)
+
+    @field_validator("fencing_header")
+    @classmethod
+    def _header(cls, name: str) -> str:
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError("not a header name")
+        low = name.lower()
+        if low in _PROXY_HEADERS or low.startswith("x-forwarded-"):
+            raise ValueError(f"{name} is a header the proxy reads or sets itself")
+        return name
+
+
+class VersioningConfig(_Strict):
+    """Optimistic concurrency for a tool without it: a version per resource key, ETags,
+    If-Match and If-None-Match checked before a write is forwarded."""
+
+    key: str
+    methods: tuple[str, ...] = DEFAULT_VERSIONED_METHODS
+    required: bool = False
+    wait: Wait = DEFAULT_RESOURCE_WAIT
+    """How long a write waits while another write of the same resource is in flight."""
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        return check_resource_key(key)
+
+    @field_validator("methods")
+    @classmethod
+    def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        upper = tuple(m.upper() for m in methods)
+        for method in upper:
+            if not _METHOD.fullmatch(method):
+                raise ValueError(f"not an HTTP method: {method!r}")
+            if method in ("GET", "HEAD"):
+                raise ValueError(f"{method} is a read: it gets an ETag, it is never a write")
+        if not upper:
+            raise ValueError("at least one method must be versioned")
+        return upper
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -394,6 +488,20 @@ class RouteConfig(_Strict):
     """Present (even empty): the route follows the tool's own limits (429/503 pauses)."""
     limit_wait: Wait = 0.0
     limits_on_store_down: StoreDown = StoreDown.CLOSED
+    lock: LockConfig | None = None
+    versioning: VersioningConfig | None = None
+
+    @model_validator(mode="after")
+    def _principal_needs_auth(self) -> RouteConfig:
+        for name, part in (("lock", self.lock), ("versioning", self.versioning)):
+            if part is not None and part.key == "principal" and self.auth is None:
+                raise ValueError(f"{name}.key: principal needs the route's auth (a caller)")
+        return self
+
+    def resource_wait(self) -> float:
+        """The longest a call waits for its resource's lock and version reservation."""
+        lock = 0.0 if self.lock is None else self.lock.wait
+        return lock + (0.0 if self.versioning is None else self.versioning.wait)
 
     @field_validator("limits")
     @classmethod

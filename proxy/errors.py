@@ -15,7 +15,8 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
     │   ├── DuplicateJSONMember             400  an object repeats a member name (not I-JSON)
     │   ├── BodyNotCanonicalizable          400
-    │   └── InvalidField                    400  a parameter of a /_proxy/ endpoint, named
+    │   ├── InvalidField                    400  a parameter of a /_proxy/ endpoint, named
+    │   └── ResourceKeyMissing              400  the lock or version key is not in the request
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
     ├── Forbidden                           403  an operator's JWT lacks the admin role
@@ -24,10 +25,13 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RecordNotFound                      404  no record under this id (admin)
     ├── RequestInProgress                   409
     ├── RecordNotFailed                     409  only a FAILED record can be resolved (admin)
+    ├── ResourceLocked                      409  the resource's lock was not had within wait
     ├── ResponseNotStored                   410  the call ran; its response was not kept
+    ├── PreconditionFailed                  412  If-Match/If-None-Match is not the version
     ├── RequestTooLarge                     413
     ├── RateLimited                         429  a route limit, or the tool's own pause
     ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
+    ├── PreconditionRequired                428  a versioned write without If-Match
     ├── CallerLeft                          499  the caller left before its body was read
     ├── UnprocessableKey                    422
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
@@ -40,7 +44,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── OffloadUnavailable                  503  the object store failed (internal)
     ├── StoreUnavailable                    503  the store cannot be reached
     │   ├── StoreRefused                    503  it answered, refusing the write (no retry helps)
-    │   └── LimitsUnavailable               503  a route's limits cannot be read: fails closed
+    │   ├── LimitsUnavailable               503  a route's limits cannot be read: fails closed
+    │   └── LocksUnavailable                503  a resource lock or version cannot be read
     ├── IdentityProviderUnavailable         503  no signing keys or downstream token
     └── StoreError                          500  the store answered something it should not
 
@@ -251,6 +256,41 @@ class RateLimited(ProxyError):
     title = "Rate limited"
 
 
+class ResourceKeyMissing(BadRequest):
+    """The route locks or versions by a resource key that this request does not carry
+    (the JSON pointer, header or path segment is absent): nothing was sent."""
+
+    slug = "resource-key-missing"
+    title = "The request does not name its resource"
+
+
+class ResourceLocked(ProxyError):
+    """Another call holds the resource's lock (or is writing it) and it was not freed
+    within the route's wait: nothing was sent, and the key is released (Retry-After)."""
+
+    status = 409
+    slug = "resource-locked"
+    title = "The resource is locked by another call"
+
+
+class PreconditionFailed(ProxyError):
+    """A versioned write whose If-Match (or If-None-Match: *) does not hold for the
+    resource's current version (in the ETag of the answer): nothing was sent."""
+
+    status = 412
+    slug = "precondition-failed"
+    title = "Precondition failed"
+
+
+class PreconditionRequired(ProxyError):
+    """A write of a route with ``versioning.required`` came without If-Match or
+    If-None-Match: nothing was sent."""
+
+    status = 428
+    slug = "precondition-required"
+    title = "Precondition required"
+
+
 class HeaderFieldsTooLarge(ProxyError):
     """The request line and header fields are larger than limits.max_header_bytes."""
 
@@ -372,6 +412,11 @@ class StoreUnavailable(ProxyError):
 class LimitsUnavailable(StoreUnavailable):
     """The store that keeps a route's limits cannot be reached and the route fails closed
     (``limits_on_store_down: closed``): nothing was sent, and the key is released."""
+
+
+class LocksUnavailable(StoreUnavailable):
+    """The store that keeps a route's resource locks or versions cannot be reached:
+    nothing was sent, and the key is released."""
 
 
 class StoreRefused(StoreUnavailable):

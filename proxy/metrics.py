@@ -95,6 +95,15 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self._resource_decisions = Counter(
+            "tool_proxy_resource_decisions",
+            "Resource lock and versioning decisions, by route, policy (lock, versioning) and "
+            "decision: acquired, waited (had after waiting), locked (409), lost (lapsed "
+            "before it was freed), store_down (503); versioning also: forwarded, bumped, "
+            "precondition_failed (412), precondition_required (428).",
+            ["route", "policy", "decision"],
+            registry=self.registry,
+        )
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -125,6 +134,10 @@ class Metrics:
     def limit_waiting(self, route: str, delta: int) -> None:
         """One more (1) or one fewer (-1) call waiting for room."""
         self._limit_waiting.labels(route).inc(delta)
+
+    def resource_decision(self, route: str, policy: str, decision: str) -> None:
+        """Count one decision of a resource lock or of versioning."""
+        self._resource_decisions.labels(route, policy, decision).inc()
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""

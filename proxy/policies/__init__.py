@@ -9,7 +9,10 @@
     Chain      a route's policies, built once at start-up from its configuration;
                ``build_chain`` gives None for a route without any: it pays nothing
 
-The policies: ``limits`` (rates, concurrency, token costs, the tool's own pauses).
+The policies: ``lock`` (one call at a time per resource, with fencing tokens),
+``versioning`` (ETags and If-Match for tools without them), ``limits`` (rates,
+concurrency, token costs, the tool's own pauses), in that order around the send: a call
+waits for its resource before it takes from the limits.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ class Context:
     principal: str = ""
     headers: RawHeaders = field(default_factory=list)
     """Added to the caller's answer by ``Chain.decorate`` (never recorded or replayed)."""
+
+    def send_header(self, name: bytes, value: bytes) -> None:
+        """Send ``name: value`` to the tool in place of any the caller sent (e.g. a
+        fencing token, which a caller must not be able to choose)."""
+        headers = [(k, v) for k, v in self.request.scope["headers"] if k != name]
+        self.request.scope["headers"] = [*headers, (name, value)]
 
     @property
     def client_ip(self) -> str:
@@ -81,6 +90,18 @@ def build_chain(
 ) -> Chain | None:
     """The route's chain from its configuration; None if it has no policy."""
     policies: list[Policy] = []
+    if route.lock is not None or route.versioning is not None:
+        from proxy.store import make_locks
+
+        locks = make_locks(store)
+        if route.lock is not None:
+            from proxy.policies.lock import Lock
+
+            policies.append(Lock(route, locks, metrics, tasks, log))
+        if route.versioning is not None:
+            from proxy.policies.versioning import Versioning
+
+            policies.append(Versioning(route, locks, metrics, tasks, log))
     if route.limits is not None:
         from proxy.policies.limits import Limits
         from proxy.store import make_buckets

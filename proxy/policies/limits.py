@@ -200,9 +200,9 @@ class Limits:
         elif kind == "client_ip":
             value = context.client_ip
         elif kind.startswith("header:"):
-            value = _header(context, kind[7:].encode())
+            value = header_value(context, kind[7:].encode())
         else:
-            found = _pointed(context.body, kind[5:])
+            found = pointed(context.body, kind[5:])
             value = "" if found is None else json.dumps(found, sort_keys=True)
         if not value:
             return limit.name
@@ -214,7 +214,7 @@ class Limits:
             return 1.0
         if not isinstance(cost.request, str):
             return float(cost.request)
-        found = _number(_pointed(context.body, cost.request[5:]))
+        found = _number(pointed(context.body, cost.request[5:]))
         if found is None:
             self.log.warning(
                 "limit_cost_unreadable", route=self.route, limit=limit.name, note="cost 1"
@@ -336,7 +336,7 @@ class Limits:
             await self._pause(upstream)
         if not call.slots and not self._trues_up:
             return upstream
-        return _Settled(upstream, lambda body: self._settle(call, body))
+        return Settled(upstream, lambda body: self._settle(call, body))
 
     def _settle(self, call: _Call, body: bytes | None) -> None:
         """The answer is read (``body`` None: not kept, or not had whole)."""
@@ -345,7 +345,7 @@ class Limits:
             cost = limit.config.cost
             if cost is None or cost.response is None:
                 continue
-            real = None if body is None else _number(_pointed(body, cost.response[5:]))
+            real = None if body is None else _number(pointed(body, cost.response[5:]))
             if real is None:
                 self.log.warning(
                     "limit_true_up_unreadable",
@@ -402,7 +402,7 @@ class Limits:
             self.log.warning("route_pause_failed", route=self.route, error=exc.detail)
 
 
-class _Settled(UpstreamResponse):
+class Settled(UpstreamResponse):
     """An answer that tells the limits when its body has been read (whole, or streamed
     to its end): then the token cost is trued up and the slots are freed."""
 
@@ -443,14 +443,14 @@ class _Settled(UpstreamResponse):
             self._end(None if kept is None else b"".join(kept))
 
 
-def _header(context: Context, name: bytes) -> str:
+def header_value(context: Context, name: bytes) -> str:
     for key, value in context.request.scope["headers"]:
         if key == name:
             return str(value.decode("latin-1"))
     return ""
 
 
-def _pointed(body: bytes, pointer: str) -> Any:
+def pointed(body: bytes, pointer: str) -> Any:
     """What ``pointer`` (RFC 6901, via jsonpointer) names in a JSON body; None if absent."""
     try:
         document = json.loads(body)

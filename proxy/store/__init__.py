@@ -1,19 +1,23 @@
 """Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis; and
-their rate buckets behind another (``buckets.Buckets``)."""
+their rate buckets and resource locks behind others (``buckets.Buckets``,
+``locks.Locks``)."""
 
 from __future__ import annotations
 
 from proxy.store.base import Claim, Record, RecordKey, State, Store
 from proxy.store.buckets import Buckets
+from proxy.store.locks import Locks
 
 __all__ = [
     "Buckets",
     "Claim",
+    "Locks",
     "Record",
     "RecordKey",
     "State",
     "Store",
     "make_buckets",
+    "make_locks",
     "make_store",
 ]
 
@@ -43,3 +47,12 @@ def make_buckets(store: Store) -> Buckets:
         raise TypeError(f"{type(store).__name__} keeps no rate buckets")
     buckets: Buckets = factory()
     return buckets
+
+
+def make_locks(store: Store) -> Locks:
+    """The resource locks that live beside ``store``'s records (same connection and clock)."""
+    factory = getattr(store, "locks", None)
+    if factory is None:
+        raise TypeError(f"{type(store).__name__} keeps no resource locks")
+    locks: Locks = factory()
+    return locks

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
+from proxy.store.locks import Grant
 
 # The largest payload kept, as for Redis (a process's memory is no place for more).
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
@@ -211,6 +212,10 @@ class MemoryStore:
         """The rate buckets of this process, on the same clock."""
         return MemoryBuckets(self._clock)
 
+    def locks(self) -> MemoryLocks:
+        """The resource locks and versions of this process, on the same clock."""
+        return MemoryLocks(self._clock)
+
     async def open(self) -> None:
         return None
 
@@ -297,3 +302,53 @@ class MemoryBuckets:
     async def pause(self, group: str, seconds: float) -> None:
         until = self._clock() + seconds
         self._pauses[group] = max(self._pauses.get(group, 0.0), until)
+
+
+class MemoryLocks:
+    """``Locks`` in this process's memory (one process only): leases, fencing counters,
+    versions. Counters and versions are never dropped: they must only grow."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._held: dict[str, tuple[str, float]] = {}
+        self._tokens: dict[str, int] = {}
+        self._versions: dict[str, int] = {}
+
+    def _holder(self, key: str, now: float) -> tuple[str, float] | None:
+        held = self._held.get(key)
+        if held is not None and held[1] <= now:
+            del self._held[key]
+            return None
+        return held
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
+        now = self._clock()
+        held = self._holder(key, now)
+        if held is not None and held[0] != owner:
+            return Grant(None, held[1] - now)
+        if held is None:
+            self._tokens[key] = self._tokens.get(key, 0) + 1
+        self._held[key] = (owner, now + ttl)
+        return Grant(self._tokens[key])
+
+    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+        now = self._clock()
+        held = self._holder(key, now)
+        if held is None or held[0] != owner:
+            return False
+        self._held[key] = (owner, now + ttl)
+        return True
+
+    async def release(self, key: str, owner: str) -> bool:
+        held = self._holder(key, self._clock())
+        if held is None or held[0] != owner:
+            return False
+        del self._held[key]
+        return True
+
+    async def version(self, key: str) -> int:
+        return self._versions.get(key, 0)
+
+    async def bump(self, key: str) -> int:
+        self._versions[key] = self._versions.get(key, 0) + 1
+        return self._versions[key]

@@ -42,6 +42,7 @@ from redis.retry import Retry
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
+from proxy.store.locks import Grant
 
 KEY_PREFIX = "tp:"
 # Connection defaults; query parameters of the URL (e.g. ?socket_timeout=5) win.
@@ -492,6 +493,10 @@ class RedisStore:
         """The rate buckets in the same Redis, over the same coalesced connection."""
         return RedisBuckets(self)
 
+    def locks(self) -> RedisLocks:
+        """The resource locks and versions in the same Redis, over the same connection."""
+        return RedisLocks(self)
+
 
 def _translated(exc: ResponseError) -> StoreUnavailable:
     """An error reply: a refusal (``StoreRefused``) or the store unusable for now."""
@@ -710,3 +715,79 @@ class RedisBuckets:
 
     async def pause(self, group: str, seconds: float) -> None:
         await self._store._script(_PAUSE, [limit_key(group, "pause")], _fms(seconds))
+
+
+# KEYS: lock, fencing counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken (or
+# already held by the owner), {0, pttl} when another owner holds it.
+_ACQUIRE_LOCK = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if holder then
+  return {tonumber(redis.call('GET', KEYS[2]) or 0), 0}
+end
+return {redis.call('INCR', KEYS[2]), 0}
+"""
+
+# KEYS: lock. ARGV: owner, ttl (ms). 1 if the owner held it (now extended).
+_RENEW_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS: lock. ARGV: owner. 1 if the owner held it (now deleted).
+_RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_SHA.update(
+    {s: hashlib.sha1(s.encode()).hexdigest() for s in (_ACQUIRE_LOCK, _RENEW_LOCK, _RELEASE_LOCK)}
+)
+
+
+def lock_keys(key: str) -> list[str]:
+    """The Redis keys of a resource lock and of its fencing counter: one hash tag, so one
+    script touches both in a Redis Cluster. The counter has no expiry: it only grows."""
+    name = f"{KEY_PREFIX}{{lock:{key}}}"
+    return [name, name + ":fence"]
+
+
+def version_key(key: str) -> str:
+    """The Redis key of a resource's version (no expiry)."""
+    return f"{KEY_PREFIX}{{ver:{key}}}"
+
+
+class RedisLocks:
+    """``Locks`` as Lua scripts (compare and set, compare and delete): one round trip
+    per call; versions as plain GET and INCR."""
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
+        reply = await self._store._script(_ACQUIRE_LOCK, lock_keys(key), owner, _ms(ttl))
+        try:
+            token, pttl = int(reply[0]), int(reply[1])
+        except (ValueError, TypeError, IndexError) as exc:
+            raise StoreError(f"redis store: malformed lock reply for {key}") from exc
+        return Grant(None, max(pttl, 0) / 1000) if token == 0 else Grant(token)
+
+    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+        return bool(await self._store._script(_RENEW_LOCK, lock_keys(key)[:1], owner, _ms(ttl)))
+
+    async def release(self, key: str, owner: str) -> bool:
+        return bool(await self._store._script(_RELEASE_LOCK, lock_keys(key)[:1], owner))
+
+    async def version(self, key: str) -> int:
+        value = await self._store._command("GET", version_key(key))
+        return 0 if value is None else int(value)
+
+    async def bump(self, key: str) -> int:
+        return int(await self._store._command("INCR", version_key(key)))

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs
 from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
+from proxy.store.locks import Grant
 
 T = TypeVar("T")
 
@@ -190,6 +191,10 @@ class SQLiteStore:
     def buckets(self) -> SQLiteBuckets:
         """The rate buckets in the same database, on the same thread and clock."""
         return SQLiteBuckets(self)
+
+    def locks(self) -> SQLiteLocks:
+        """The resource locks and versions in the same database, thread and clock."""
+        return SQLiteLocks(self)
 
     async def close(self) -> None:
         def _close() -> None:
@@ -553,3 +558,91 @@ def _pause(db: sqlite3.Connection, now: float, group: str, seconds: float) -> No
         " ON CONFLICT (grp) DO UPDATE SET until = max(until, excluded.until)",
         (group, now + seconds),
     )
+
+
+_LOCKS_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS resource_locks (key TEXT PRIMARY KEY, owner TEXT NOT NULL,"
+    " until REAL NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS resource_counters (kind TEXT NOT NULL, key TEXT NOT NULL,"
+    " n INTEGER NOT NULL, PRIMARY KEY (kind, key)) WITHOUT ROWID",
+)
+
+
+class SQLiteLocks:
+    """``Locks`` in the store's database: each call one ``BEGIN IMMEDIATE`` transaction
+    (so the processes of one host share them), on the store's thread and clock. Fencing
+    counters (``kind`` 'fence') and versions ('version') are rows that are never deleted."""
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+        self._ready = False
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self._ready:
+            await self._store._run(self._store._transaction, _create_locks)
+            self._ready = True
+        return await self._store._run(self._store._transaction, fn, *args)
+
+    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
+        return await self._call(_acquire_lock, key, owner, ttl)
+
+    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+        return await self._call(_renew_lock, key, owner, ttl)
+
+    async def release(self, key: str, owner: str) -> bool:
+        return await self._call(_release_lock, key, owner)
+
+    async def version(self, key: str) -> int:
+        return await self._call(_counter, "version", key)
+
+    async def bump(self, key: str) -> int:
+        return await self._call(_increment, "version", key)
+
+
+def _create_locks(db: sqlite3.Connection, now: float) -> None:
+    for statement in _LOCKS_SCHEMA:
+        db.execute(statement)
+
+
+def _counter(db: sqlite3.Connection, now: float, kind: str, key: str) -> int:
+    row = db.execute(
+        "SELECT n FROM resource_counters WHERE kind = ? AND key = ?", (kind, key)
+    ).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _increment(db: sqlite3.Connection, now: float, kind: str, key: str) -> int:
+    row = db.execute(
+        "INSERT INTO resource_counters (kind, key, n) VALUES (?, ?, 1)"
+        " ON CONFLICT (kind, key) DO UPDATE SET n = n + 1 RETURNING n",
+        (kind, key),
+    ).fetchone()
+    return int(row[0])
+
+
+def _acquire_lock(db: sqlite3.Connection, now: float, key: str, owner: str, ttl: float) -> Grant:
+    row = db.execute("SELECT owner, until FROM resource_locks WHERE key = ?", (key,)).fetchone()
+    if row is not None and row[1] > now and row[0] != owner:
+        return Grant(None, row[1] - now)
+    held = row is not None and row[1] > now
+    token = _counter(db, now, "fence", key) if held else _increment(db, now, "fence", key)
+    db.execute(
+        "INSERT OR REPLACE INTO resource_locks (key, owner, until) VALUES (?, ?, ?)",
+        (key, owner, now + ttl),
+    )
+    return Grant(token)
+
+
+def _renew_lock(db: sqlite3.Connection, now: float, key: str, owner: str, ttl: float) -> bool:
+    cursor = db.execute(
+        "UPDATE resource_locks SET until = ? WHERE key = ? AND owner = ? AND until > ?",
+        (now + ttl, key, owner, now),
+    )
+    return cursor.rowcount == 1
+
+
+def _release_lock(db: sqlite3.Connection, now: float, key: str, owner: str) -> bool:
+    cursor = db.execute(
+        "DELETE FROM resource_locks WHERE key = ? AND owner = ? AND until > ?", (key, owner, now)
+    )
+    return cursor.rowcount == 1

@@ -1,0 +1,265 @@
+"""What the resource policies (``lock``, ``versioning``) share: the resource key a request
+names, and taking a store lock within a wait.
+
+Taking a lock, per key::
+
+    wait in line in this process (FIFO, one asyncio lock per key)
+      └─▶ ask the store (``Locks.acquire``), again with a short backoff, until the wait ends
+            ├─ granted ──▶ renewed every ttl/3 while the call runs
+            └─ not within the wait ──▶ 409 resource-locked, Retry-After; nothing sent
+
+Only the first caller of a key in a process asks the store; the others wait behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.background import TaskSet
+from proxy.errors import (
+    IdentityProviderUnavailable,
+    LimitsUnavailable,
+    LocksUnavailable,
+    PreconditionFailed,
+    PreconditionRequired,
+    RateLimited,
+    ResourceKeyMissing,
+    ResourceLocked,
+    StoreUnavailable,
+    Unauthorized,
+    UpstreamUnreachable,
+)
+from proxy.metrics import Metrics
+from proxy.policies import Context
+from proxy.policies.limits import header_value, pointed
+from proxy.store.locks import Locks
+
+# Raised by ``forward`` when nothing reached the tool: the lock is freed at once.
+NOT_SENT = (
+    UpstreamUnreachable,
+    Unauthorized,
+    IdentityProviderUnavailable,
+    RateLimited,
+    LimitsUnavailable,
+    LocksUnavailable,
+    ResourceKeyMissing,
+    ResourceLocked,
+    PreconditionFailed,
+    PreconditionRequired,
+)
+# The first pause between two asks of a held lock, doubled up to the longest one.
+FIRST_POLL_SECONDS = 0.005
+MAX_POLL_SECONDS = 0.05
+
+
+def resource_value(kind: str, context: Context) -> str:
+    """The resource a request names (``json:``, ``header:``, ``path:``, ``principal``);
+    ``ResourceKeyMissing`` naming what is absent."""
+    if kind == "principal":
+        value = context.principal
+    elif kind.startswith("header:"):
+        value = header_value(context, kind[7:].encode())
+    elif kind.startswith("path:"):
+        value = _segment(context, int(kind[5:]))
+    else:
+        found = pointed(context.body, kind[5:])
+        value = "" if found is None else json.dumps(found, sort_keys=True)
+    if not value:
+        raise ResourceKeyMissing(f"route {context.route.name} needs {_named(kind)} in the request")
+    return value
+
+
+def resource_key(kind: str, context: Context) -> str:
+    """``<route>|<digest of the resource value>``: the store key of a request's resource."""
+    digest = hashlib.sha256(resource_value(kind, context).encode()).hexdigest()[:32]
+    return f"{context.route.name}|{digest}"
+
+
+def _segment(context: Context, index: int) -> str:
+    path: str = context.request.scope["path"]
+    prefix = context.route.path_prefix
+    rest = path[len(prefix) :] if prefix != "/" else path
+    segments = [s for s in rest.split("/") if s]
+    return segments[index] if index < len(segments) else ""
+
+
+def _named(kind: str) -> str:
+    if kind == "principal":
+        return "an authenticated caller (principal)"
+    if kind.startswith("header:"):
+        return f"header {kind[7:]}"
+    if kind.startswith("path:"):
+        return f"path segment {kind[5:]} (counted from 0 after the route's prefix)"
+    return f"JSON member {kind[5:]} in the body"
+
+
+class _Line:
+    """Callers of one lock key waiting in this process, first come first served."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+@dataclass(slots=True)
+class Held:
+    """A lock one call holds: its key, owner, fencing token and renewal."""
+
+    key: str
+    owner: str
+    token: int
+    line: _Line
+    renewal: asyncio.TimerHandle | asyncio.Task[None] | None = None
+    """A timer until the first renewal (most calls end before it), then a task."""
+
+
+class Locker:
+    """Takes, renews and frees the store locks of one route and policy."""
+
+    def __init__(
+        self,
+        route: str,
+        policy: str,
+        locks: Locks,
+        ttl: float,
+        wait: float,
+        call_seconds: float,
+        metrics: Metrics,
+        tasks: TaskSet,
+        log: Any,
+    ) -> None:
+        self.route = route
+        self.policy = policy
+        self.locks = locks
+        self.ttl = ttl
+        self.wait = wait
+        self.call_seconds = call_seconds
+        self.metrics = metrics
+        self.tasks = tasks
+        self.log = log
+        self._lines: dict[str, _Line] = {}
+        self._owners = (f"{id(self):x}.{n}" for n in range(1 << 62))
+        self._prefix = hashlib.sha256(str(time.time_ns()).encode()).hexdigest()[:12]
+
+    async def take(self, key: str) -> Held:
+        """The lock of ``key``, within the wait; ``ResourceLocked`` or ``LocksUnavailable``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        line = self._lines.setdefault(key, _Line())
+        line.users += 1
+        try:
+            if line.lock.locked():
+                async with asyncio.timeout(self.wait):  # a timer, not a task (wait_for)
+                    await line.lock.acquire()
+            else:  # had at once
+                await line.lock.acquire()
+        except TimeoutError:
+            self._leave(key, line)
+            raise self._locked(key, self.ttl) from None
+        except BaseException:
+            self._leave(key, line)
+            raise
+        try:
+            held = await self._ask_until(key, line, deadline, loop)
+        except BaseException:
+            line.lock.release()
+            self._leave(key, line)
+            raise
+        held.renewal = loop.call_later(self.ttl / 3, self._renew_due, held, loop.time())
+        return held
+
+    async def _ask_until(
+        self, key: str, line: _Line, deadline: float, loop: asyncio.AbstractEventLoop
+    ) -> Held:
+        owner = f"{self._prefix}.{next(self._owners)}"
+        pause = FIRST_POLL_SECONDS
+        waited = False
+        while True:
+            try:
+                grant = await self.locks.acquire(key, owner, self.ttl)
+            except StoreUnavailable as exc:
+                self.metrics.resource_decision(self.route, self.policy, "store_down")
+                raise LocksUnavailable(
+                    f"the store that keeps the {self.policy} of route {self.route} is "
+                    "unreachable: nothing was sent"
+                ) from exc
+            if grant.token is not None:
+                self.metrics.resource_decision(
+                    self.route, self.policy, "waited" if waited else "acquired"
+                )
+                return Held(key, owner, grant.token, line)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise self._locked(key, grant.expires_in)
+            waited = True
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, MAX_POLL_SECONDS)
+
+    def _locked(self, key: str, expires_in: float) -> ResourceLocked:
+        self.metrics.resource_decision(self.route, self.policy, "locked")
+        seconds = max(math.ceil(expires_in), 1)
+        return ResourceLocked(
+            f"another call holds this resource of route {self.route} ({self.policy}); "
+            f"it was not freed within {self.wait:g} s: retry after {seconds} s",
+            headers={"Retry-After": str(seconds)},
+        )
+
+    def _leave(self, key: str, line: _Line) -> None:
+        line.users -= 1
+        if not line.users:
+            self._lines.pop(key, None)
+
+    def release(self, held: Held) -> None:
+        """Free the lock now (in the background: the caller does not wait for it)."""
+        self._stop(held)
+        self.tasks.spawn(self._release(held))
+
+    def abandon(self, held: Held) -> None:
+        """Stop renewing the lock and leave it to lapse after its ttl: the call may still
+        be running at the tool (its outcome is unknown)."""
+        self._stop(held)
+        self.log.warning("resource_lock_left_to_lapse", route=self.route, policy=self.policy)
+        held.line.lock.release()
+        self._leave(held.key, held.line)
+
+    def _stop(self, held: Held) -> None:
+        if held.renewal is not None:
+            held.renewal.cancel()
+            held.renewal = None
+
+    async def _release(self, held: Held) -> None:
+        try:
+            if not await self.locks.release(held.key, held.owner):
+                self.log.warning("resource_lock_lost", route=self.route, policy=self.policy)
+                self.metrics.resource_decision(self.route, self.policy, "lost")
+        except StoreUnavailable as exc:
+            self.log.warning("resource_lock_release_failed", route=self.route, error=exc.detail)
+        finally:
+            held.line.lock.release()
+            self._leave(held.key, held.line)
+
+    def _renew_due(self, held: Held, taken: float) -> None:
+        held.renewal = self.tasks.spawn(self._renew(held, taken))
+
+    async def _renew(self, held: Held, taken: float) -> None:
+        """Renew every third of the ttl while the call runs (at most the route's timeout:
+        a body nobody reads cannot hold a lock for ever)."""
+        loop = asyncio.get_running_loop()
+        give_up = taken + self.call_seconds + self.ttl
+        while loop.time() < give_up:
+            try:
+                if not await self.locks.renew(held.key, held.owner, self.ttl):
+                    self.log.warning("resource_lock_lost", route=self.route, policy=self.policy)
+                    self.metrics.resource_decision(self.route, self.policy, "lost")
+                    return
+            except StoreUnavailable as exc:
+                self.log.warning("resource_lock_renewal_failed", route=self.route, error=exc.detail)
+            await asyncio.sleep(self.ttl / 3)

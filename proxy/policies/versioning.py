@@ -1,0 +1,168 @@
+"""Versioned writes: optimistic concurrency for tools without it.
+
+The proxy keeps a version per resource key (0 until the first write through it). Per
+call, around the send::
+
+    a read (a method not in versioning.methods, e.g. GET): the version, then forward
+        (a read without the key, e.g. a listing, is forwarded without an ETag);
+        the answer carries ETag: "<version>" (read before the tool answers: a write in
+        between makes the ETag older than the data, so a write from it gets 412, never
+        a lost update)
+    a write: no key: 400; no If-Match / If-None-Match ──▶ 428 when versioning.required
+      └─▶ reserve the resource (a store lock: one write of it at a time, across replicas)
+            └─▶ the version ──▶ the precondition fails: 412, ETag: the current version
+                   └─▶ forward ──▶ 2xx: bump the version; ETag: the new one; free
+                          ├─ nothing sent: free
+                          └─ outcome unknown: bump (a write may have happened: writers
+                             of the old version get 412, not a lost update); free
+
+Two writes with the same If-Match never both reach the tool: the second one reads the
+version only after the first one's bump.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.background import TaskSet
+from proxy.config import RouteConfig
+from proxy.errors import (
+    LocksUnavailable,
+    PreconditionFailed,
+    PreconditionRequired,
+    ResourceKeyMissing,
+    StoreUnavailable,
+)
+from proxy.forwarding import UpstreamResponse
+from proxy.metrics import Metrics
+from proxy.policies import Context, Forward
+from proxy.policies.limits import header_value
+from proxy.policies.resources import NOT_SENT, Held, Locker, resource_key
+from proxy.store.locks import Locks
+
+# The lease of a write's reservation, renewed every third of it while the call runs.
+RESERVATION_TTL_SECONDS = 10.0
+
+
+def _tags(field: str) -> set[str] | None:
+    """The entity tags of an If-Match/If-None-Match field: {"*"} for ``*``, strong tags
+    without their quotes (weak ones never match a write), None if the field is absent."""
+    if not field:
+        return None
+    tags = {t.strip() for t in field.split(",") if t.strip()}
+    return {t if t == "*" else t[1:-1] for t in tags if t == "*" or t.startswith('"')}
+
+
+def _matches(version: int, tags: set[str]) -> bool:
+    """``*`` matches a resource written at least once; a tag matches its version."""
+    return ("*" in tags and version > 0) or str(version) in tags
+
+
+def _holds(version: int, if_match: set[str] | None, if_none_match: set[str] | None) -> bool:
+    if if_match is not None and not _matches(version, if_match):
+        return False
+    return if_none_match is None or not _matches(version, if_none_match)
+
+
+def etag(version: int) -> str:
+    return f'"{version}"'
+
+
+class Versioning:
+    """The versioning policy of one route."""
+
+    def __init__(
+        self, route: RouteConfig, locks: Locks, metrics: Metrics, tasks: TaskSet, log: Any
+    ) -> None:
+        assert route.versioning is not None
+        self.route = route.name
+        self.kind = route.versioning.key
+        self.methods = frozenset(route.versioning.methods)
+        self.required = route.versioning.required
+        self.locks = locks
+        self.metrics = metrics
+        self.log = log
+        self.locker = Locker(
+            route.name,
+            "versioning",
+            locks,
+            RESERVATION_TTL_SECONDS,
+            route.versioning.wait,
+            route.timeout,
+            metrics,
+            tasks,
+            log,
+        )
+
+    def wrap(self, context: Context, forward: Forward) -> Forward:
+        async def versioned() -> UpstreamResponse:
+            if context.request.method in self.methods:
+                return await self._write(context, resource_key(self.kind, context), forward)
+            try:
+                key = resource_key(self.kind, context)
+            except ResourceKeyMissing:  # a read of no one resource (e.g. a listing)
+                return await forward()
+            version = await self._version(key)
+            upstream = await forward()
+            context.headers.append((b"etag", etag(version).encode()))
+            return upstream
+
+        return versioned
+
+    async def _write(self, context: Context, key: str, forward: Forward) -> UpstreamResponse:
+        if_match = _tags(header_value(context, b"if-match"))
+        if_none_match = _tags(header_value(context, b"if-none-match"))
+        if if_match is None and if_none_match is None and self.required:
+            self.metrics.resource_decision(self.route, "versioning", "precondition_required")
+            raise PreconditionRequired(
+                f"writes of route {self.route} must say which version they change: "
+                'send If-Match: "<version>" (the ETag of a read), or If-None-Match: * '
+                "for the first write"
+            )
+        held = await self.locker.take("v|" + key)
+        try:
+            version = await self._version(key)
+            if not _holds(version, if_match, if_none_match):
+                self.metrics.resource_decision(self.route, "versioning", "precondition_failed")
+                raise PreconditionFailed(
+                    f"the resource is at version {version}; the request's precondition "
+                    "does not hold: read it again, then retry with its ETag",
+                    headers={"ETag": etag(version)},
+                )
+            upstream = await forward()
+        except NOT_SENT:
+            self.locker.release(held)
+            raise
+        except BaseException:
+            await self._bump(key, held)
+            raise
+        self.metrics.resource_decision(self.route, "versioning", "forwarded")
+        if 200 <= upstream.status < 300:
+            version = await self._bump(key, held) or version
+        else:
+            self.locker.release(held)
+        context.headers.append((b"etag", etag(version).encode()))
+        return upstream
+
+    async def _version(self, key: str) -> int:
+        try:
+            return await self.locks.version(key)
+        except StoreUnavailable as exc:
+            self.metrics.resource_decision(self.route, "versioning", "store_down")
+            raise LocksUnavailable(
+                f"the store that keeps the versions of route {self.route} is unreachable: "
+                "nothing was sent"
+            ) from exc
+
+    async def _bump(self, key: str, held: Held) -> int | None:
+        """The new version, the reservation freed; None if the store failed (then the
+        reservation is left to lapse: the next write reads the version after it)."""
+        try:
+            version = await self.locks.bump(key)
+        except StoreUnavailable as exc:
+            self.log.error("version_bump_failed", route=self.route, error=exc.detail)
+            self.locker.abandon(held)
+            return None
+        self.metrics.resource_decision(self.route, "versioning", "bumped")
+        self.locker.release(held)
+        return version
