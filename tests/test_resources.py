@@ -186,9 +186,6 @@ def test_a_duplicate_is_answered_before_waiting_for_the_lock(
     assert tool.total == 1
 
 
-@pytest.mark.xfail(
-    strict=True, reason="proxy/idempotency.py _NOT_SENT lacks ResourceLocked (issue 14)"
-)
 def test_a_guarded_call_refused_by_the_lock_releases_its_key(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
