@@ -429,10 +429,11 @@ class McpExchange:
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
         return self.proxy._relay(self.request, upstream)
 
-    async def pass_through(self) -> Response:
-        proxy, name = self.proxy, self.route.name
+    async def pass_through(self, route: RouteConfig) -> Response:
+        proxy, name = self.proxy, route.name
+        self.route = route  # a GET stream's: the same route with a longer timeout
         if (proxy.tokens is None or not proxy.tokens.applies(name)) and name not in proxy.chains:
-            return await proxy._pass_through(self.request, self.route)
+            return await proxy._pass_through(self.request, route)
         return await self.relay(await self.forward(await self.read(), once=False))
 
     def lookup(self) -> Lookup | None:

@@ -68,6 +68,9 @@ KEY_INVALID = -32014
 OUTCOME_UNKNOWN = -32015
 REFUSED = -32019
 """Any other refusal of the proxy (store unavailable, rate limited, ...): see error.data."""
+# A GET stream (the server's own messages) is cut after this long, not the route's
+# timeout (a call's bound); the client opens it again.
+STREAM_SECONDS = 3600.0
 # Tools whose annotations are remembered per route (guard: annotated), at most.
 MAX_KNOWN_TOOLS = 10_000
 # A recorded answer's form (json or sse) as the tool server sent it; never sent on.
@@ -91,8 +94,8 @@ class Exchange(Protocol):
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
         """The upstream's answer, unchanged."""
 
-    async def pass_through(self) -> Response:
-        """Forward the request (body streamed) and relay the answer."""
+    async def pass_through(self, route: RouteConfig) -> Response:
+        """Forward the request (body streamed) as one of ``route`` and relay the answer."""
 
     def lookup(self) -> Lookup | None:
         """The route's reconcile look-up for this caller, if it has one."""
@@ -149,6 +152,8 @@ class McpView:
         self.config = route.mcp or McpConfig()
         self.guard = guard
         self.policy: IdempotencyConfig | None = route.idempotency
+        self.streams = route.model_copy(update={"timeout": STREAM_SECONDS})
+        """The route as GET streams are sent: bounded by STREAM_SECONDS."""
         self.annotated = self.config.guard is McpGuard.ANNOTATED
         self.named = frozenset(() if isinstance(self.config.guard, McpGuard) else self.config.guard)
         self.unguarded: dict[str, bool] = {}
@@ -167,7 +172,8 @@ class McpView:
     async def handle(self, request: Incoming, exchange: Exchange, principal: str) -> Handled:
         """Pass through, answer a cancellation, or guard a ``tools/call``."""
         if request.method != "POST":
-            return Handled(await exchange.pass_through(), Outcome.PASSED)
+            route = self.streams if request.method == "GET" else self.route
+            return Handled(await exchange.pass_through(route), Outcome.PASSED)
         body = await exchange.read()
         try:
             message = parse(body)
