@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
-from mcp.server.fastmcp import FastMCP
+from mcp.server.fastmcp import Context, FastMCP
 from mcp.server.fastmcp.exceptions import ToolError
 from mcp.types import ToolAnnotations
 
@@ -35,6 +35,14 @@ class McpTool:
             await asyncio.sleep(delay)
             self.executions[account] += 1
             return f"charged {cents} to {account} (#{self.executions[account]})"
+
+        @server.tool()
+        async def export(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Reports progress (SSE answers), then its result."""
+            for done in range(3):
+                await ctx.report_progress(done, 3)
+            self.executions[f"export:{account}"] += 1
+            return f"exported {account}"
 
         @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
         def balance(account: str) -> str:

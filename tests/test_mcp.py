@@ -154,6 +154,54 @@ def test_an_error_result_is_replayed(make_proxy: ProxyFactory, mcp_tool: McpTool
     assert mcp_tool.executions[f"refund:{who}"] == 1
 
 
+def test_progress_is_not_recorded(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+    seen: list[float] = []
+
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append(progress)
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            return [
+                text(await client.call_tool("export", {"account": who}, None, progress, meta=meta))
+                for _ in "ab"
+            ]
+
+    assert asyncio.run(scenario()) == [f"exported {who}"] * 2
+    assert mcp_tool.executions[f"export:{who}"] == 1
+    assert seen == []  # the answer is the final response: progress is not passed on
+
+
+def test_an_unknown_outcome_is_an_error_that_says_what_to_do(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = make_proxy({**mcp_route(mcp_tool.url), "timeout": "300ms"})
+    who = account()
+    arguments = {"account": who, "cents": 3, "delay": 0.6}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> list[McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            errors = []
+            for _ in "ab":
+                with pytest.raises(McpError) as unknown:
+                    await client.call_tool("charge", arguments, meta=meta)
+                errors.append(unknown.value)
+            await asyncio.sleep(0.5)  # the tool finishes in the session
+            return errors
+
+    first, again = asyncio.run(scenario())
+    assert first.error.code == again.error.code == mcp.OUTCOME_UNKNOWN
+    assert first.error.message.startswith("The tool call may or may not have run")
+    assert "will not be run again under this key" in again.error.message
+    assert isinstance(first.error.data, dict)
+    assert first.error.data["status"] == 504
+    assert mcp_tool.executions[who] == 1
+
+
 def test_annotated_guards_only_tools_with_side_effects(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
@@ -171,7 +219,7 @@ def test_annotated_guards_only_tools_with_side_effects(
             return sorted(tool.name for tool in listed.tools), unknown.value
 
     names, unknown = asyncio.run(scenario())
-    assert names == ["balance", "charge", "refund"]
+    assert names == ["balance", "charge", "export", "refund"]
     assert unknown.error.code == mcp.KEY_MISSING
     assert "params._meta.idempotencyKey" in unknown.error.message
     assert mcp_tool.executions[f"balance:{who}"] == 2
