@@ -11,11 +11,16 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from mcp import ClientSession
+from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.fastmcp import Context, FastMCP
 from mcp.server.fastmcp.exceptions import ToolError
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.types import ToolAnnotations
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.types import Receive, Scope, Send
 
 from tests.servers import ThreadServer
 
@@ -112,3 +117,58 @@ def message_of(response: httpx.Response) -> Any:
         data = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
         return json.loads(data[-1])
     return response.json()
+
+
+class TaskTool:
+    """A low-level SDK server with task support (2025-11-25): ``provision`` runs as a task
+    when the call asks for one, counting its runs per ``db``."""
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()
+        server: Server[Any, Any] = Server("tasks")
+        server.experimental.enable_tasks()
+
+        @server.list_tools()  # type: ignore[untyped-decorator, no-untyped-call]
+        async def list_tools() -> list[types.Tool]:
+            execution = types.ToolExecution(taskSupport="optional")
+            schema = {"type": "object"}
+            return [types.Tool(name="provision", inputSchema=schema, execution=execution)]
+
+        @server.call_tool()  # type: ignore[untyped-decorator]
+        async def call_tool(
+            name: str, arguments: dict[str, Any]
+        ) -> types.CallToolResult | types.CreateTaskResult:
+            async def work(task: Any) -> types.CallToolResult:
+                await asyncio.sleep(0.05)
+                self.runs[arguments["db"]] += 1
+                return types.CallToolResult(content=[types.TextContent(type="text", text="ok")])
+
+            context = server.request_context
+            if context.experimental.is_task:
+                created: types.CreateTaskResult = await context.experimental.run_task(work)
+                return created
+            return await work(None)
+
+        manager = StreamableHTTPSessionManager(app=server, json_response=True)
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with manager.run():
+                yield
+
+        async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+            await manager.handle_request(scope, receive, send)
+
+        app = Starlette(routes=[Mount("/mcp", app=endpoint)], lifespan=lifespan)
+        self.server = ThreadServer(app)
+
+    def start(self) -> TaskTool:
+        self.server.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -16,7 +16,7 @@ from proxy import mcp
 from proxy.config import parse_config
 from proxy.errors import ConfigError
 from tests.conftest import ProxyFactory, new_key
-from tests.mcp_servers import McpTool, RawSession, message_of, session
+from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
 from tests.servers import ThreadServer
 
 
@@ -310,6 +310,30 @@ def test_a_composite_key_must_hash_the_arguments(
             return mismatch.value
 
     assert asyncio.run(scenario()).error.code == mcp.ARGS_HASH_MISMATCH
+
+
+@pytest.mark.filterwarnings("ignore:The experimental tasks API:DeprecationWarning")
+def test_a_task_augmented_call_sent_again_gets_the_same_task(make_proxy: ProxyFactory) -> None:
+    tool = TaskTool().start()
+    try:
+        proxy = make_proxy(mcp_route(tool.url))
+        meta = {"idempotencyKey": new_key({"db": "orders"})}
+
+        async def scenario() -> tuple[Any, Any, Any]:
+            async with session(proxy.url + "/mcp/") as client:  # the server's mount: /mcp/
+                tasks = client.experimental
+                first = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
+                again = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
+                await asyncio.sleep(0.3)
+                status = await tasks.get_task(again.task.taskId)  # tasks/* pass through
+                return first, again, status
+
+        first, again, status = asyncio.run(scenario())
+        assert again.task.taskId == first.task.taskId
+        assert status.status == "completed"
+        assert tool.runs["orders"] == 1
+    finally:
+        tool.stop()
 
 
 @pytest.mark.parametrize(
