@@ -25,7 +25,7 @@ from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
 from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS, DownstreamTokens
 from proxy.background import TaskSet
-from proxy.config import RESERVED_PREFIX, Config, RouteConfig, TokenMode, load_config
+from proxy.config import RESERVED_PREFIX, Config, RouteConfig, RouteProtocol, TokenMode, load_config
 from proxy.errors import (
     BadRequest,
     CallerLeft,
@@ -44,6 +44,7 @@ from proxy.errors import (
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
 from proxy.journal import Journal
+from proxy.mcp import McpView
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
@@ -172,6 +173,11 @@ class Proxy:
             r.name: build_chain(r, store, self.metrics, tasks, self.log) for r in config.routes
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
+        self.mcp = {
+            r.name: McpView(r, self.guards.get(r.name))
+            for r in config.routes
+            if r.protocol is RouteProtocol.MCP
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -222,6 +228,12 @@ class Proxy:
         route = self.router.match(path)
         trace.route = route.name
         principal, identity = ("", "") if route.auth is None else await self._caller(request, route)
+        view = self.mcp.get(route.name)
+        if view is not None:  # JSON-RPC: guard tools/call, pass the rest through (mcp.py)
+            exchange = McpExchange(self, request, route, principal, identity)
+            handled = await view.handle(request, exchange, principal)
+            trace.outcome, trace.key = handled.outcome, handled.key
+            return exchange.decorate(handled.response)
         guard = self.guards.get(route.name)
         if guard is not None and not guard.guards(request.method):
             guard = None
@@ -381,6 +393,56 @@ class Proxy:
         except TimeoutError:
             raise StoreUnavailable("the store did not answer in time") from None
         return JSONResponse({"status": "ready"})
+
+
+class McpExchange:
+    """The proxy's side of one request on a ``protocol: mcp`` route (``mcp.Exchange``):
+    the same tokens, policies and upstream as an HTTP route's requests."""
+
+    def __init__(
+        self, proxy: Proxy, request: Incoming, route: RouteConfig, principal: str, identity: str
+    ) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.route = route
+        self.principal = principal
+        self.identity = identity
+        self.context: Context | None = None
+
+    def read(self) -> Awaitable[bytes]:
+        return read_body(self.request, self.proxy.max_body)
+
+    def forward(self, body: bytes, *, once: bool) -> Awaitable[UpstreamResponse]:
+        proxy, request, route = self.proxy, self.request, self.route
+
+        def send() -> Awaitable[UpstreamResponse]:
+            if proxy.tokens is not None and proxy.tokens.applies(route.name):
+                return proxy._forward_with_token(request, route, body, self.identity, once)
+            return proxy._send(request, route, body, at_most_once=once)
+
+        chain = proxy.chains.get(route.name)
+        if chain is None:
+            return send()
+        self.context = Context(route, request, body, self.principal)
+        return chain.wrap(self.context, send)()
+
+    def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
+        return self.proxy._relay(self.request, upstream)
+
+    async def pass_through(self, route: RouteConfig) -> Response:
+        proxy, name = self.proxy, route.name
+        self.route = route  # a GET stream's: the same route with a longer timeout
+        if (proxy.tokens is None or not proxy.tokens.applies(name)) and name not in proxy.chains:
+            return await proxy._pass_through(self.request, route)
+        return await self.relay(await self.forward(await self.read(), once=False))
+
+    def lookup(self) -> Lookup | None:
+        if self.route.reconcile is None:
+            return None
+        return self.proxy._lookup(self.request, self.route, self.identity)
+
+    def decorate(self, response: Response) -> Response:
+        return response if self.context is None else Chain.decorate(self.context, response)
 
 
 async def _flush_logs_forever() -> None:

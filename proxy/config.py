@@ -458,6 +458,47 @@ class VersioningConfig(_Strict):
         return upper
 
 
+class RouteProtocol(StrEnum):
+    """What a route's requests are: plain HTTP calls, or MCP (JSON-RPC over Streamable HTTP)."""
+
+    HTTP = "http"
+    MCP = "mcp"
+
+
+class McpGuard(StrEnum):
+    """Which MCP tools' ``tools/call`` requests are guarded."""
+
+    ALL = "all"
+    ANNOTATED = "annotated"
+    """Every tool whose ``tools/list`` entry is neither readOnlyHint nor idempotentHint."""
+
+
+# Where an MCP client may send its key besides the header: params._meta.<this>.
+DEFAULT_KEY_META = "idempotencyKey"
+_META_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+
+
+class McpConfig(_Strict):
+    """How a ``protocol: mcp`` route guards ``tools/call``."""
+
+    guard: McpGuard | tuple[str, ...] = McpGuard.ALL
+    key_meta: str = DEFAULT_KEY_META
+
+    @field_validator("guard")
+    @classmethod
+    def _tools(cls, guard: McpGuard | tuple[str, ...]) -> McpGuard | tuple[str, ...]:
+        if isinstance(guard, tuple) and (not guard or not all(guard)):
+            raise ValueError("all, annotated, or a non-empty list of tool names")
+        return guard
+
+    @field_validator("key_meta")
+    @classmethod
+    def _meta_name(cls, name: str) -> str:
+        if not _META_NAME.fullmatch(name):
+            raise ValueError("a _meta member name: 1..128 characters of [A-Za-z0-9._/-]")
+        return name
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -502,6 +543,15 @@ class RouteConfig(_Strict):
         """The longest a call waits for its resource's lock and version reservation."""
         lock = 0.0 if self.lock is None else self.lock.wait
         return lock + (0.0 if self.versioning is None else self.versioning.wait)
+
+    protocol: RouteProtocol = RouteProtocol.HTTP
+    mcp: McpConfig | None = None
+
+    @model_validator(mode="after")
+    def _mcp_needs_protocol(self) -> RouteConfig:
+        if self.mcp is not None and self.protocol is not RouteProtocol.MCP:
+            raise ValueError("mcp: needs protocol: mcp")
+        return self
 
     @field_validator("limits")
     @classmethod

@@ -38,6 +38,8 @@ talks to the foreign library, with ``raise ... from exc``.
     │   └── KeyReusedWithOtherBody          422  a key sent again with another request
     ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
+    │   └── McpRefused                      4xx  an MCP server refused a tools/call at the
+    │                                            HTTP level (its answer is sent on): released
     ├── OutcomeUnknown                      502/504  the request may have run, no answer
     ├── NotExecuted                         502/504  the tool says it did not run: released
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
@@ -53,6 +55,8 @@ talks to the foreign library, with ``raise ... from exc``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 PROBLEM_BASE = "urn:tool-proxy:problem:"
 # Retry-After (seconds) on a 503 while the store is unreachable.
@@ -347,6 +351,19 @@ class UpstreamUnreachable(ProxyError):
     status = 502
     slug = "upstream-unreachable"
     title = "Upstream unreachable"
+
+
+class McpRefused(UpstreamUnreachable):
+    """An MCP server answered a guarded ``tools/call`` with an HTTP error status (unknown
+    session, bad headers): the tool was not called, the key is released, and the caller
+    gets the server's answer as it was (``answer``, a ``StoredResponse``)."""
+
+    slug = "mcp-refused"
+    title = "The MCP server refused the request"
+
+    def __init__(self, detail: str, answer: Any) -> None:
+        super().__init__(detail)
+        self.answer = answer
 
 
 class OutcomeUnknown(ProxyError):

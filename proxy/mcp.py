@@ -1,0 +1,610 @@
+"""The MCP (JSON-RPC over Streamable HTTP) view of a request and its answer.
+
+A ``protocol: mcp`` route serves one MCP endpoint. Only a JSON-RPC request with method
+``tools/call`` for a guarded tool (``mcp.guard``) goes through the state machine
+(``idempotency.py``), as an ``Operation`` built from the tool's name and its
+``params.arguments`` (the envelope's ``id`` changes on every retry, the arguments do not):
+
+- the key comes from the ``Idempotency-Key`` header or ``params._meta.<key_meta>``;
+- a composite key's ``args_hash`` is the SHA-256 of the RFC 8785 form of the arguments;
+- the fingerprint is the tool's name with that digest.
+
+The tool server's answer is recorded as its JSON-RPC response (from an SSE stream, the
+final response: progress is not recorded). The caller gets it with its own ``id``, as
+JSON or as a one-event SSE stream, whichever its Accept prefers (on a tie, the form the
+tool server used); a replay adds ``Idempotent-Replayed: true``. The proxy's refusals
+(in progress, key missing or reused, outcome unknown, ...) are JSON-RPC errors for the
+request's ``id``, their ``error.data`` the RFC 9457 document of the HTTP routes.
+
+Everything else (``initialize``, ``tools/list``, notifications, responses, GET streams,
+session DELETE) passes through unchanged; ``guard: annotated`` learns tool annotations
+from the ``tools/list`` answers on the way back. A ``notifications/cancelled`` naming a
+guarded call still in flight is answered here (202) and not forwarded: the call completes
+and is recorded, and the retry gets its result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mcp import types
+from pydantic import ValidationError
+from starlette.responses import Response, StreamingResponse
+
+from proxy.asgi import Incoming, RawHeaders, Reply
+from proxy.config import IdempotencyConfig, McpConfig, McpGuard, RouteConfig
+from proxy.errors import (
+    ArgsHashMismatch,
+    InvalidIdempotencyKey,
+    KeyReusedWithOtherBody,
+    McpRefused,
+    MissingIdempotencyKey,
+    OutcomeUnknown,
+    ProxyError,
+    RequestInProgress,
+)
+from proxy.forwarding import UpstreamResponse
+from proxy.idempotency import Guard, Outcome
+from proxy.keys import KeyKind, canonical_json, parse_composite, parse_opaque
+from proxy.operation import Operation
+from proxy.outcome import StoredResponse
+from proxy.problems import MEDIA_TYPE, problem_body
+from proxy.reconcile import Lookup
+from proxy.replay import REPLAYED_HEADER
+from proxy.store import RecordKey
+
+JSON = "application/json"
+SSE = "text/event-stream"
+# The JSON-RPC error codes of the proxy's refusals (the server range, -32000..-32099).
+IN_PROGRESS = -32010
+ARGS_HASH_MISMATCH = -32011
+KEY_REUSED = -32012
+KEY_MISSING = -32013
+KEY_INVALID = -32014
+OUTCOME_UNKNOWN = -32015
+REFUSED = -32019
+"""Any other refusal of the proxy (store unavailable, rate limited, ...): see error.data."""
+# A GET stream (the server's own messages) is cut after this long, not the route's
+# timeout (a call's bound); the client opens it again.
+STREAM_SECONDS = 3600.0
+# Tools whose annotations are remembered per route (guard: annotated), at most.
+MAX_KNOWN_TOOLS = 10_000
+# A recorded answer's form (json or sse) as the tool server sent it; never sent on.
+_FORM_HEADER = b"tool-proxy-mcp-form"
+_SESSION = b"mcp-session-id"
+_PROBLEM = MEDIA_TYPE.encode()
+
+RequestId = str | int | None
+"""A JSON-RPC id; None when the message has none that can be read."""
+
+
+class Exchange(Protocol):
+    """The proxy's side of one request on an MCP route (tokens, policies, the upstream)."""
+
+    def read(self) -> Awaitable[bytes]:
+        """The whole request body (within limits.max_body_bytes)."""
+
+    def forward(self, body: bytes, *, once: bool) -> Awaitable[UpstreamResponse]:
+        """Send the request with ``body``; ``once``: a guarded call, never sent twice."""
+
+    def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
+        """The upstream's answer, unchanged."""
+
+    async def pass_through(self, route: RouteConfig) -> Response:
+        """Forward the request (body streamed) as one of ``route`` and relay the answer."""
+
+    def lookup(self) -> Lookup | None:
+        """The route's reconcile look-up for this caller, if it has one."""
+
+
+@dataclass(slots=True)
+class Handled:
+    """An MCP request's answer and what the request log says of it."""
+
+    response: Response
+    outcome: Outcome
+    key: str | None = None
+
+
+class JsonRpcRefusal(Exception):
+    """A body the proxy had to read is not the JSON-RPC it can guard (-32700, -32600,
+    -32602): answered as a JSON-RPC error, nothing forwarded."""
+
+    def __init__(self, code: int, message: str, id: RequestId = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A ``tools/call`` request as read from its body."""
+
+    id: str | int
+    name: str
+    arguments: dict[str, Any]
+    meta: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ReadAnswer(UpstreamResponse):
+    """The tool server's answer read whole, reduced to its JSON-RPC response."""
+
+    body: bytes = b""
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        yield self.body
+
+
+class McpView:
+    """The MCP view of one route: which calls are guarded, and what tools it knows."""
+
+    def __init__(self, route: RouteConfig, guard: Guard | None) -> None:
+        self.route = route
+        self.config = route.mcp or McpConfig()
+        self.guard = guard
+        self.policy: IdempotencyConfig | None = route.idempotency
+        self.streams = route.model_copy(update={"timeout": STREAM_SECONDS})
+        """The route as GET streams are sent: bounded by STREAM_SECONDS."""
+        self.annotated = self.config.guard is McpGuard.ANNOTATED
+        self.named = frozenset(() if isinstance(self.config.guard, McpGuard) else self.config.guard)
+        self.unguarded: dict[str, bool] = {}
+        """Tool name → True if its annotations say read-only or idempotent (annotated)."""
+        self.in_flight: dict[tuple[str, str | int], int] = {}
+        """(session, id) of the guarded calls being run or awaited now."""
+
+    def guards(self, tool: str) -> bool:
+        """True if ``tools/call`` of ``tool`` is guarded on this route."""
+        if self.guard is None:
+            return False
+        if self.annotated:
+            return not self.unguarded.get(tool, False)  # an unknown tool is guarded
+        return not self.named or tool in self.named
+
+    async def handle(self, request: Incoming, exchange: Exchange, principal: str) -> Handled:
+        """Pass through, answer a cancellation, or guard a ``tools/call``."""
+        if request.method != "POST":
+            route = self.streams if request.method == "GET" else self.route
+            return Handled(await exchange.pass_through(route), Outcome.PASSED)
+        body = await exchange.read()
+        try:
+            message = parse(body)
+            call = tool_call(message) if _is_request(message, "tools/call") else None
+        except JsonRpcRefusal as exc:  # the JSON-RPC spec's codes; 400 if it is not JSON-RPC
+            status = 200 if exc.code == types.INVALID_PARAMS else 400
+            return Handled(
+                error_reply(exc.id, exc.code, exc.message, status=status), Outcome.REJECTED
+            )
+        session = _header(request, _SESSION)
+        if call is not None and self.guards(call.name):
+            return await self._guarded(request, exchange, principal, session, call, body)
+        if isinstance(message, types.JSONRPCNotification) and self._cancels(session, message):
+            return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
+        if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
+            return Handled(await self._listed(exchange, body), Outcome.PASSED)
+        upstream = await exchange.forward(body, once=False)
+        return Handled(await exchange.relay(upstream), Outcome.PASSED)
+
+    def _cancels(self, session: str, note: types.JSONRPCNotification) -> bool:
+        """True if ``note`` cancels a guarded call in flight: it is not forwarded."""
+        if note.method != "notifications/cancelled" or not note.params:
+            return False
+        named = note.params.get("requestId")
+        return isinstance(named, str | int) and (session, named) in self.in_flight
+
+    async def _listed(self, exchange: Exchange, body: bytes) -> Response:
+        """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
+        upstream = await exchange.forward(body, once=False)
+        raw = await upstream.read()
+        if upstream.status == 200:
+            answer = _final_response(raw, _content_type(upstream.headers))
+            if isinstance(answer, types.JSONRPCResponse):
+                self._learn(answer.result)
+        headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+        return Reply(upstream.status, headers, raw)
+
+    def _learn(self, result: dict[str, Any]) -> None:
+        try:
+            listed = types.ListToolsResult.model_validate(result)
+        except ValidationError:
+            return
+        for tool in listed.tools:
+            hints = tool.annotations
+            safe = hints is not None and bool(hints.readOnlyHint or hints.idempotentHint)
+            if tool.name in self.unguarded or len(self.unguarded) < MAX_KNOWN_TOOLS:
+                self.unguarded[tool.name] = safe
+
+    async def _guarded(
+        self,
+        request: Incoming,
+        exchange: Exchange,
+        principal: str,
+        session: str,
+        call: ToolCall,
+        body: bytes,
+    ) -> Handled:
+        assert self.guard is not None and self.policy is not None
+        accept = _header(request, b"accept")
+        try:
+            op = identify_call(self.route.name, self.policy, self.config, request, call, principal)
+        except ProxyError as exc:
+            return Handled(refusal(call.id, exc), Outcome.REJECTED)
+        if op is None:  # no key, and the route does not require one
+            upstream = await exchange.forward(body, once=False)
+            return Handled(await exchange.relay(upstream), Outcome.PASSED, None)
+
+        async def forward() -> UpstreamResponse:
+            return await read_answer(await exchange.forward(body, once=True), call.id)
+
+        flight = (session, call.id)
+        self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
+        try:
+            response, outcome = await self.guard.run(op, forward, exchange.lookup())
+        except McpRefused as exc:  # the server refused it at the HTTP level: sent on as is
+            stored = exc.answer
+            headers = [*stored.headers, (b"content-length", str(len(stored.body)).encode())]
+            return Handled(Reply(stored.status, headers, stored.body), Outcome.RELEASED, op.label)
+        except ProxyError as exc:
+            conflict = isinstance(exc, RequestInProgress)
+            return Handled(refusal(call.id, exc), _refused(exc, conflict), op.label)
+        finally:
+            self._landed(flight)
+        replayed = outcome is Outcome.REPLAYED
+        rendered = await render(response, call.id, accept, session, replayed=replayed)
+        return Handled(rendered, outcome, op.label)
+
+    def _landed(self, flight: tuple[str, str | int]) -> None:
+        left = self.in_flight.pop(flight, 1) - 1
+        if left:
+            self.in_flight[flight] = left
+
+
+def _is_request(message: object, method: str) -> bool:
+    return isinstance(message, types.JSONRPCRequest) and message.method == method
+
+
+def _refused(exc: ProxyError, conflict: bool) -> Outcome:
+    if conflict:
+        return Outcome.CONFLICT
+    return Outcome.FAILED if isinstance(exc, OutcomeUnknown) else Outcome.REJECTED
+
+
+# -- reading requests -----------------------------------------------------------------
+
+
+def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | None:
+    """The request or notification in ``body``; None for a response, or a batch with no
+    ``tools/call``. ``JsonRpcRefusal``: not JSON (-32700), not JSON-RPC, or a batch with a
+    ``tools/call`` in it (-32600)."""
+    if body.lstrip()[:1] == b"[":
+        _check_batch(body)
+        return None
+    try:
+        message = types.JSONRPCMessage.model_validate_json(body).root
+    except ValidationError as exc:
+        if any(e["type"] == "json_invalid" for e in exc.errors()):
+            raise JsonRpcRefusal(types.PARSE_ERROR, "Parse error: the body is not JSON") from None
+        raise JsonRpcRefusal(
+            types.INVALID_REQUEST,
+            "Invalid Request: the body is not a JSON-RPC 2.0 request, notification or response",
+            _id_of(body),
+        ) from None
+    if isinstance(message, types.JSONRPCRequest | types.JSONRPCNotification):
+        return message
+    return None
+
+
+def _check_batch(body: bytes) -> None:
+    """A JSON-RPC batch passes through unless it holds a ``tools/call``, which is refused:
+    MCP dropped batches in 2025-06-18, and one record per call needs one call per POST."""
+    try:
+        messages = json.loads(body)
+    except ValueError:
+        raise JsonRpcRefusal(types.PARSE_ERROR, "Parse error: the body is not JSON") from None
+    if not isinstance(messages, list) or not messages:
+        raise JsonRpcRefusal(types.INVALID_REQUEST, "Invalid Request: an empty batch")
+    if any(isinstance(m, dict) and m.get("method") == "tools/call" for m in messages):
+        raise JsonRpcRefusal(
+            types.INVALID_REQUEST,
+            "Invalid Request: tool-proxy does not accept a tools/call inside a JSON-RPC batch; "
+            "send each tools/call in its own POST (MCP 2025-06-18 and later have no batches)",
+        )
+
+
+def _id_of(body: bytes) -> RequestId:
+    """The id of a message that is JSON but not valid JSON-RPC, if it has a usable one."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    found = value.get("id") if isinstance(value, dict) else None
+    return found if isinstance(found, str | int) and not isinstance(found, bool) else None
+
+
+def tool_call(message: types.JSONRPCRequest | types.JSONRPCNotification | None) -> ToolCall:
+    """The tool, arguments and ``_meta`` of a ``tools/call``; -32602 if its params are not
+    those of a ``CallToolRequest``."""
+    assert isinstance(message, types.JSONRPCRequest)
+    try:
+        request = types.CallToolRequest.model_validate(
+            {"method": message.method, "params": message.params}
+        )
+    except ValidationError:
+        raise JsonRpcRefusal(
+            types.INVALID_PARAMS,
+            "Invalid params: tools/call needs params.name (a string) and params.arguments "
+            "(an object, if present)",
+            message.id,
+        ) from None
+    params = message.params or {}
+    meta = params.get("_meta")
+    meta = meta if isinstance(meta, dict) else {}
+    return ToolCall(message.id, request.params.name, request.params.arguments or {}, meta)
+
+
+def identify_call(
+    route: str,
+    policy: IdempotencyConfig,
+    config: McpConfig,
+    request: Incoming,
+    call: ToolCall,
+    principal: str,
+) -> Operation | None:
+    """The operation of a guarded ``tools/call`` (as ``operation.identify`` for HTTP):
+    None if it carries no key and the route does not require one."""
+    key = _key(request, call, config.key_meta)
+    if key is None:
+        if policy.required:
+            raise MissingIdempotencyKey(
+                f"route {route} requires an idempotency key for tools/call: send it in "
+                f"params._meta.{config.key_meta} or in the Idempotency-Key header"
+            )
+        return None
+    digest = hashlib.sha256(canonical_json(call.arguments, policy.canonicalization)).hexdigest()
+    target = f"tools/call {call.name}\n{digest}".encode()
+    fingerprint = hashlib.sha256(target).hexdigest()
+    scope = f"{route}|{principal}"
+    if policy.key is KeyKind.COMPOSITE:
+        parsed = parse_composite(key)
+        if parsed.args_hash != digest:
+            raise ArgsHashMismatch(
+                "args_hash must be the SHA-256 of the canonical JSON "
+                f"({policy.canonicalization.value}) of params.arguments; they hash to {digest}"
+            )
+        record = RecordKey(f"{scope}|{parsed.plan}|{parsed.step}", digest)
+        return Operation(record, str(parsed), fingerprint)
+    opaque = parse_opaque(key)
+    slot = hashlib.sha256(opaque.encode()).hexdigest()[:40]
+    return Operation(RecordKey(f"{scope}|{slot}|-", "-"), opaque, fingerprint)
+
+
+def _key(request: Incoming, call: ToolCall, key_meta: str) -> str | None:
+    header = request.header(b"idempotency-key")
+    meta = call.meta.get(key_meta)
+    if meta is not None and not isinstance(meta, str):
+        raise InvalidIdempotencyKey(f"params._meta.{key_meta} must be a string")
+    if header is not None and meta is not None and header != meta:
+        raise InvalidIdempotencyKey(
+            f"the Idempotency-Key header and params._meta.{key_meta} differ; send one key"
+        )
+    return header if header is not None else meta
+
+
+def _header(request: Incoming, name: bytes) -> str:
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
+
+
+# -- reading answers ------------------------------------------------------------------
+
+
+async def read_answer(upstream: UpstreamResponse, id: str | int) -> UpstreamResponse:
+    """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
+    response as JSON. ``McpRefused`` (the key is released) for an HTTP error status;
+    ``OutcomeUnknown`` (recorded FAILED) if a 200 answer holds no response to ``id``."""
+    raw = await upstream.read()
+    form = _content_type(upstream.headers)
+    if upstream.status != 200:
+        raise McpRefused(
+            f"the MCP server answered HTTP {upstream.status}: the tool was not called",
+            StoredResponse.of(upstream.status, upstream.headers, raw),
+        )
+    answer = _final_response(raw, form, id)
+    if answer is None:
+        raise OutcomeUnknown(
+            "the MCP server's answer ended without the result of this call; the tool may have run",
+            status=502,
+        )
+    body = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+    headers: RawHeaders = [(b"content-type", JSON.encode())]
+    if form == SSE:
+        headers.append((_FORM_HEADER, b"sse"))
+    return ReadAnswer(upstream.status, headers, len(body), upstream._response, body)
+
+
+def _content_type(headers: RawHeaders) -> str:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.decode("latin-1").split(";", 1)[0].strip().lower()
+    return ""
+
+
+def _final_response(
+    raw: bytes, form: str, id: RequestId = None
+) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    """The last JSON-RPC response (to ``id``, when given) in a JSON or SSE body."""
+    payloads = list(sse_data(raw)) if form == SSE else [raw]
+    found = None
+    for payload in payloads:
+        try:
+            message = types.JSONRPCMessage.model_validate_json(payload).root
+        except ValidationError:
+            continue
+        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) and (
+            id is None or message.id == id
+        ):
+            found = message
+    return found
+
+
+def sse_data(raw: bytes) -> Iterator[bytes]:
+    """The data of each event of an SSE stream (``message`` events only)."""
+    for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
+        event, data = b"message", []
+        for line in block.split(b"\n"):
+            field, _, value = line.partition(b":")
+            value = value.removeprefix(b" ")
+            if field == b"data":
+                data.append(value)
+            elif field == b"event":
+                event = value
+        if data and event == b"message":
+            yield b"\n".join(data)
+
+
+# -- answering ------------------------------------------------------------------------
+
+
+async def render(
+    response: Response, id: str | int, accept: str, session: str, *, replayed: bool
+) -> Response:
+    """The state machine's answer (a first execution's, or a replay) in MCP form."""
+    body = await _body(response)
+    headers = dict(response.raw_headers)
+    if headers.get(b"content-type") == _PROBLEM:  # outcome unknown, not stored, ...
+        problem = json.loads(body)
+        return _error_response(id, _code(problem), _problem_message(problem), problem)
+    if response.status_code != 200:  # a release status (503, ...): the answer as it was
+        return response
+    try:
+        answer = types.JSONRPCMessage.model_validate_json(body).root
+    except ValidationError:
+        return response
+    assert isinstance(answer, types.JSONRPCResponse | types.JSONRPCError)
+    answer = answer.model_copy(update={"id": id})
+    payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+    extra: RawHeaders = [(_SESSION, session.encode())] if session else []
+    if replayed:
+        extra.append(REPLAYED_HEADER)
+    return _framed(payload, _wants_sse(accept, headers.get(_FORM_HEADER) == b"sse"), extra)
+
+
+async def _body(response: Response) -> bytes:
+    if isinstance(response, StreamingResponse):  # an offloaded body read back
+        chunks = [c async for c in response.body_iterator]
+        return b"".join(c if isinstance(c, bytes) else str(c).encode() for c in chunks)
+    return bytes(response.body)
+
+
+def _wants_sse(accept: str, answered_sse: bool) -> bool:
+    """True if the client prefers an SSE stream (by q-value; a tie: the server's form)."""
+    weights = {JSON: -1.0, SSE: -1.0}
+    for item in accept.split(","):
+        kind, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            if param.startswith("q="):
+                try:
+                    q = float(param[2:])
+                except ValueError:
+                    q = 0.0
+        kind = kind.lower()
+        targets = (JSON, SSE) if kind in ("*/*", "") else (kind,)
+        for target in targets:
+            if target in weights:
+                weights[target] = max(weights[target], q)
+    if weights[JSON] == weights[SSE]:
+        return answered_sse
+    return weights[SSE] > weights[JSON]
+
+
+def _framed(payload: bytes, sse: bool, extra: RawHeaders, status: int = 200) -> Reply:
+    if sse:
+        payload = b"event: message\ndata: " + payload + b"\n\n"
+        kind = SSE.encode()
+        extra = [*extra, (b"cache-control", b"no-cache")]
+    else:
+        kind = JSON.encode()
+    length = str(len(payload)).encode()
+    return Reply(status, [(b"content-type", kind), (b"content-length", length), *extra], payload)
+
+
+# What each refusal is, to an agent: the code, and a message that says what to do.
+_CODES = {
+    RequestInProgress.slug: IN_PROGRESS,
+    ArgsHashMismatch.slug: ARGS_HASH_MISMATCH,
+    KeyReusedWithOtherBody.slug: KEY_REUSED,
+    MissingIdempotencyKey.slug: KEY_MISSING,
+    InvalidIdempotencyKey.slug: KEY_INVALID,
+    OutcomeUnknown.slug: OUTCOME_UNKNOWN,
+}
+
+
+def _code(problem: dict[str, Any]) -> int:
+    slug = str(problem.get("type", "")).rsplit(":", 1)[-1]
+    return _CODES.get(slug, REFUSED)
+
+
+def _problem_message(problem: dict[str, Any], retry_after: str | None = None) -> str:
+    code, detail = _code(problem), problem.get("detail", "")
+    if code == IN_PROGRESS:
+        wait = f"{retry_after} seconds" if retry_after else "a few seconds"
+        return (
+            "This tool call is already running (an earlier request with the same idempotency "
+            f"key); it was not started again. Wait {wait}, then send the same call with the "
+            "same key to get its result."
+        )
+    if code == OUTCOME_UNKNOWN:
+        return (
+            f"The tool call may or may not have run: its result was lost ({detail}). It will "
+            "not be run again under this key. Check whether its effect happened before "
+            "acting on it; to run it anyway, call it again under a new key."
+        )
+    if code == ARGS_HASH_MISMATCH:
+        return f"The idempotency key does not match these arguments: {detail}."
+    if code == KEY_REUSED:
+        return (
+            "This idempotency key was already used for a call with other arguments or another "
+            "tool; nothing was run. Use a new key (a new step) for a different call."
+        )
+    if code in (KEY_MISSING, KEY_INVALID):
+        return f"The tool call was not run: {detail}."
+    return f"tool-proxy did not run the tool call: {problem.get('title', '')}: {detail}."
+
+
+def refusal(id: str | int, exc: ProxyError) -> Reply:
+    """The proxy's refusal of a guarded call, as the JSON-RPC error of its request."""
+    problem = json.loads(problem_body(exc))
+    retry_after = exc.headers.get("Retry-After")
+    if retry_after is not None:
+        problem["retry_after"] = int(retry_after)
+    reply = _error_response(id, _code(problem), _problem_message(problem, retry_after), problem)
+    reply.raw_headers = [
+        *reply.raw_headers,
+        *((k.lower().encode(), v.encode()) for k, v in exc.headers.items()),
+    ]
+    return reply
+
+
+def _error_response(id: str | int, code: int, message: str, data: Any) -> Reply:
+    error = types.JSONRPCError(
+        jsonrpc="2.0", id=id, error=types.ErrorData(code=code, message=message, data=data)
+    )
+    return _framed(error.model_dump_json(by_alias=True, exclude_none=True).encode(), False, [])
+
+
+def error_reply(id: RequestId, code: int, message: str, *, status: int) -> Reply:
+    """A JSON-RPC error for a body that is not what the proxy can guard."""
+    error = types.ErrorData(code=code, message=message).model_dump(exclude_none=True)
+    payload = json.dumps({"jsonrpc": "2.0", "id": id, "error": error}).encode()
+    return _framed(payload, False, [], status)

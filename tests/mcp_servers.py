@@ -1,0 +1,174 @@
+"""A real MCP server (the official SDK's FastMCP over Streamable HTTP) whose tools count
+their side effects, and helpers to call it with the SDK's client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from mcp import ClientSession, types
+from mcp.client.streamable_http import streamable_http_client
+from mcp.server.fastmcp import Context, FastMCP
+from mcp.server.fastmcp.exceptions import ToolError
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.types import ToolAnnotations
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.types import Receive, Scope, Send
+
+from tests.servers import ThreadServer
+
+
+class McpTool:
+    """A FastMCP server on a thread: ``charge`` counts per account, ``balance`` is
+    read-only, ``refund`` fails with an ``isError`` result (and counts too)."""
+
+    def __init__(self, *, json_response: bool) -> None:
+        self.executions: Counter[str] = Counter()
+        self.json_response = json_response
+        server = FastMCP("billing", json_response=json_response, log_level="WARNING")
+
+        @server.tool()
+        async def charge(account: str, cents: int, delay: float = 0.0) -> str:
+            """Charge an account (a side effect)."""
+            await asyncio.sleep(delay)
+            self.executions[account] += 1
+            return f"charged {cents} to {account} (#{self.executions[account]})"
+
+        @server.tool()
+        async def export(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Reports progress (SSE answers), then its result."""
+            for done in range(3):
+                await ctx.report_progress(done, 3)
+            self.executions[f"export:{account}"] += 1
+            return f"exported {account}"
+
+        @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+        def balance(account: str) -> str:
+            """Read a balance (no side effect)."""
+            self.executions[f"balance:{account}"] += 1
+            return f"{account}: {self.executions[account]} charges"
+
+        @server.tool()
+        def refund(account: str) -> str:
+            """Always fails, after counting."""
+            self.executions[f"refund:{account}"] += 1
+            raise ToolError(f"refund #{self.executions[f'refund:{account}']} refused")
+
+        self.server = ThreadServer(server.streamable_http_app())
+
+    def start(self) -> McpTool:
+        self.server.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@asynccontextmanager
+async def session(url: str, headers: dict[str, str] | None = None) -> AsyncIterator[ClientSession]:
+    """An initialized SDK client session on ``url`` (the MCP endpoint)."""
+    async with (
+        httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30, read=300)) as http,
+        streamable_http_client(url, http_client=http) as (read, write, _),
+        ClientSession(read, write) as client,
+    ):
+        await client.initialize()
+        yield client
+
+
+class RawSession:
+    """A hand-driven MCP session (httpx), to see the HTTP side of each answer."""
+
+    def __init__(self, http: httpx.Client, url: str, accept: str) -> None:
+        self.http = http
+        self.url = url
+        self.headers = {"Accept": accept, "Content-Type": "application/json"}
+
+    def open(self) -> RawSession:
+        answer = self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        }})  # fmt: skip
+        self.headers["Mcp-Session-Id"] = answer.headers["mcp-session-id"]
+        self.headers["MCP-Protocol-Version"] = "2025-06-18"
+        self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return self
+
+    def post(self, message: Any, **headers: str) -> httpx.Response:
+        return self.http.post(
+            self.url, content=json.dumps(message), headers={**self.headers, **headers}
+        )
+
+
+def message_of(response: httpx.Response) -> Any:
+    """The JSON-RPC message of a JSON answer or of a one-response SSE stream."""
+    if response.headers["content-type"].startswith("text/event-stream"):
+        data = [line[5:].strip() for line in response.text.splitlines() if line.startswith("data:")]
+        return json.loads(data[-1])
+    return response.json()
+
+
+class TaskTool:
+    """A low-level SDK server with task support (2025-11-25): ``provision`` runs as a task
+    when the call asks for one, counting its runs per ``db``."""
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()
+        server: Server[Any, Any] = Server("tasks")
+        server.experimental.enable_tasks()
+
+        @server.list_tools()  # type: ignore[untyped-decorator, no-untyped-call]
+        async def list_tools() -> list[types.Tool]:
+            execution = types.ToolExecution(taskSupport="optional")
+            schema = {"type": "object"}
+            return [types.Tool(name="provision", inputSchema=schema, execution=execution)]
+
+        @server.call_tool()  # type: ignore[untyped-decorator]
+        async def call_tool(
+            name: str, arguments: dict[str, Any]
+        ) -> types.CallToolResult | types.CreateTaskResult:
+            async def work(task: Any) -> types.CallToolResult:
+                await asyncio.sleep(0.05)
+                self.runs[arguments["db"]] += 1
+                return types.CallToolResult(content=[types.TextContent(type="text", text="ok")])
+
+            context = server.request_context
+            if context.experimental.is_task:
+                created: types.CreateTaskResult = await context.experimental.run_task(work)
+                return created
+            return await work(None)
+
+        manager = StreamableHTTPSessionManager(app=server, json_response=True)
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with manager.run():
+                yield
+
+        async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+            await manager.handle_request(scope, receive, send)
+
+        app = Starlette(routes=[Mount("/mcp", app=endpoint)], lifespan=lifespan)
+        self.server = ThreadServer(app)
+
+    def start(self) -> TaskTool:
+        self.server.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -1,0 +1,399 @@
+"""MCP routes: exactly-once ``tools/call`` with the official SDK on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from mcp.shared.exceptions import McpError
+
+from proxy import mcp
+from proxy.config import parse_config
+from proxy.errors import ConfigError
+from tests.conftest import ProxyFactory, new_key
+from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
+from tests.servers import ThreadServer
+
+
+@pytest.fixture(scope="module", params=["json", "sse"])
+def mcp_tool(request: pytest.FixtureRequest) -> Iterator[McpTool]:
+    tool = McpTool(json_response=request.param == "json").start()
+    yield tool
+    tool.stop()
+
+
+def mcp_route(upstream: str, guard: Any = "all", **idempotency: Any) -> dict[str, Any]:
+    return {
+        "name": "billing",
+        "path_prefix": "/mcp",
+        "upstream": upstream,
+        "timeout": "10s",
+        "protocol": "mcp",
+        "mcp": {"guard": guard},
+        "idempotency": {"lock_ttl": "5s", "result_ttl": "1h", "retry_after": "1s", **idempotency},
+    }
+
+
+def through(make_proxy: ProxyFactory, tool: McpTool, **route: Any) -> ThreadServer:
+    return make_proxy(mcp_route(tool.url, **route))
+
+
+def account() -> str:
+    return f"acct-{time.monotonic_ns()}"
+
+
+def text(result: Any) -> str:
+    return str(result.content[0].text)
+
+
+def test_a_call_sent_again_is_executed_once(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 250}
+    key = new_key(arguments)
+
+    async def scenario() -> tuple[Any, Any]:
+        async with session(proxy.url + "/mcp") as client:
+            first = await client.call_tool("charge", arguments, meta={"idempotencyKey": key})
+            again = await client.call_tool("charge", arguments, meta={"idempotencyKey": key})
+            return first, again
+
+    first, again = asyncio.run(scenario())
+    assert mcp_tool.executions[who] == 1
+    assert again == first
+    assert text(first) == f"charged 250 to {who} (#1)"
+
+
+def test_the_key_may_be_an_http_header(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool, key="opaque")
+    who = account()
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp", {"Idempotency-Key": f"charge-{who}"}) as client:
+            calls = [client.call_tool("charge", {"account": who, "cents": 1}) for _ in range(2)]
+            return [text(await call) for call in calls]
+
+    assert asyncio.run(scenario()) == [f"charged 1 to {who} (#1)"] * 2
+    assert mcp_tool.executions[who] == 1
+
+
+def test_a_client_that_times_out_gets_in_progress_then_the_replay(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 5, "delay": 1.0}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> tuple[McpError, McpError, Any]:
+        async with session(proxy.url + "/mcp") as client:
+            short = timedelta(seconds=0.2)
+            with pytest.raises(McpError) as timed_out:  # the SDK then sends a cancellation
+                await client.call_tool("charge", arguments, short, meta=meta)
+            with pytest.raises(McpError) as busy:
+                await client.call_tool("charge", arguments, meta=meta)
+            await asyncio.sleep(1.2)
+            return (
+                timed_out.value,
+                busy.value,
+                await client.call_tool("charge", arguments, meta=meta),
+            )
+
+    timed_out, busy, replayed = asyncio.run(scenario())
+    assert "Timed out" in str(timed_out)
+    assert busy.error.code == mcp.IN_PROGRESS
+    assert "Wait 1 seconds" in busy.error.message
+    assert isinstance(busy.error.data, dict)
+    assert busy.error.data["status"] == 409
+    assert busy.error.data["retry_after"] == 1
+    assert text(replayed) == f"charged 5 to {who} (#1)"  # the cancelled call completed
+    assert mcp_tool.executions[who] == 1
+
+
+def test_other_arguments_under_the_same_step_are_a_new_execution(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    plan = f"plan-{who}"
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            answers = []
+            for cents in (10, 20, 20):
+                arguments = {"account": who, "cents": cents}
+                key = new_key(arguments, step=3, plan=plan)
+                result = await client.call_tool("charge", arguments, meta={"idempotencyKey": key})
+                answers.append(text(result))
+            return answers
+
+    assert asyncio.run(scenario()) == [
+        f"charged 10 to {who} (#1)",
+        f"charged 20 to {who} (#2)",
+        f"charged 20 to {who} (#2)",
+    ]
+
+
+def test_an_error_result_is_replayed(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+
+    async def scenario() -> list[Any]:
+        async with session(proxy.url + "/mcp") as client:
+            return [await client.call_tool("refund", {"account": who}, meta=meta) for _ in "ab"]
+
+    first, again = asyncio.run(scenario())
+    assert first.isError and again == first
+    assert text(first) == "Error executing tool refund: refund #1 refused"
+    assert mcp_tool.executions[f"refund:{who}"] == 1
+
+
+def test_progress_is_not_recorded(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+    seen: list[float] = []
+
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append(progress)
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            return [
+                text(await client.call_tool("export", {"account": who}, None, progress, meta=meta))
+                for _ in "ab"
+            ]
+
+    assert asyncio.run(scenario()) == [f"exported {who}"] * 2
+    assert mcp_tool.executions[f"export:{who}"] == 1
+    assert seen == []  # the answer is the final response: progress is not passed on
+
+
+def test_an_unknown_outcome_is_an_error_that_says_what_to_do(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = make_proxy({**mcp_route(mcp_tool.url), "timeout": "300ms"})
+    who = account()
+    arguments = {"account": who, "cents": 3, "delay": 0.6}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> list[McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            errors = []
+            for _ in "ab":
+                with pytest.raises(McpError) as unknown:
+                    await client.call_tool("charge", arguments, meta=meta)
+                errors.append(unknown.value)
+            await asyncio.sleep(0.5)  # the tool finishes in the session
+            return errors
+
+    first, again = asyncio.run(scenario())
+    assert first.error.code == again.error.code == mcp.OUTCOME_UNKNOWN
+    assert first.error.message.startswith("The tool call may or may not have run")
+    assert "will not be run again under this key" in again.error.message
+    assert isinstance(first.error.data, dict)
+    assert first.error.data["status"] == 504
+    assert mcp_tool.executions[who] == 1
+
+
+def test_annotated_guards_only_tools_with_side_effects(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool, guard="annotated", required=True)
+    who = account()
+
+    async def scenario() -> tuple[list[str], McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            with pytest.raises(McpError) as unknown:  # before tools/list: guarded
+                await client.call_tool("balance", {"account": who})
+            listed = await client.list_tools()
+            await client.send_ping()
+            for _ in range(2):  # read-only: passes through, no key needed
+                await client.call_tool("balance", {"account": who})
+            return sorted(tool.name for tool in listed.tools), unknown.value
+
+    names, unknown = asyncio.run(scenario())
+    assert names == ["balance", "charge", "export", "refund"]
+    assert unknown.error.code == mcp.KEY_MISSING
+    assert "params._meta.idempotencyKey" in unknown.error.message
+    assert mcp_tool.executions[f"balance:{who}"] == 2
+
+
+def test_guarded_tools_may_be_named(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool, guard=["refund"], required=True)
+    who = account()
+
+    async def scenario() -> None:
+        async with session(proxy.url + "/mcp") as client:
+            await client.call_tool("charge", {"account": who, "cents": 1})
+            await client.call_tool("charge", {"account": who, "cents": 1})
+
+    asyncio.run(scenario())
+    assert mcp_tool.executions[who] == 2
+
+
+def test_a_replay_has_the_new_id_and_is_marked(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 7}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        first = raw.post({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call})
+        again = raw.post({"jsonrpc": "2.0", "id": "two", "method": "tools/call", "params": call})
+        json_only = raw.post(
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call},
+            Accept="application/json;q=1, text/event-stream;q=0.5",
+        )
+        sse_first = raw.post(
+            {"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": call},
+            Accept="text/event-stream, application/json;q=0.9",
+        )
+    form = "application/json" if mcp_tool.json_response else "text/event-stream"
+    assert first.headers["content-type"].startswith(form)
+    assert again.headers["content-type"].startswith(form)
+    assert json_only.headers["content-type"] == "application/json"
+    assert sse_first.headers["content-type"] == "text/event-stream"
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["mcp-session-id"] == raw.headers["Mcp-Session-Id"]
+    ids = [message_of(r)["id"] for r in (first, again, json_only, sse_first)]
+    assert ids == [1, "two", 3, 4]
+    results = [message_of(r)["result"] for r in (first, again, json_only, sse_first)]
+    assert all(r == results[0] for r in results)
+    assert mcp_tool.executions[who] == 1
+
+
+def test_a_key_sent_again_with_other_arguments_is_refused(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool, key="opaque")
+    who = account()
+    meta = {"idempotencyKey": f"k-{who}"}
+
+    async def scenario() -> McpError:
+        async with session(proxy.url + "/mcp") as client:
+            await client.call_tool("charge", {"account": who, "cents": 1}, meta=meta)
+            with pytest.raises(McpError) as reused:
+                await client.call_tool("charge", {"account": who, "cents": 2}, meta=meta)
+            return reused.value
+
+    reused = asyncio.run(scenario())
+    assert reused.error.code == mcp.KEY_REUSED
+    assert isinstance(reused.error.data, dict)
+    assert reused.error.data["type"] == "urn:tool-proxy:problem:idempotency-key-reused"
+    assert mcp_tool.executions[who] == 1
+
+
+def test_a_composite_key_must_hash_the_arguments(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    wrong = new_key({"account": "someone else"})
+
+    async def scenario() -> McpError:
+        async with session(proxy.url + "/mcp") as client:
+            with pytest.raises(McpError) as mismatch:
+                await client.call_tool(
+                    "charge", {"account": "a", "cents": 1}, meta={"idempotencyKey": wrong}
+                )
+            return mismatch.value
+
+    assert asyncio.run(scenario()).error.code == mcp.ARGS_HASH_MISMATCH
+
+
+@pytest.mark.filterwarnings("ignore:The experimental tasks API:DeprecationWarning")
+def test_a_task_augmented_call_sent_again_gets_the_same_task(make_proxy: ProxyFactory) -> None:
+    tool = TaskTool().start()
+    try:
+        proxy = make_proxy(mcp_route(tool.url))
+        meta = {"idempotencyKey": new_key({"db": "orders"})}
+
+        async def scenario() -> tuple[Any, Any, Any]:
+            async with session(proxy.url + "/mcp/") as client:  # the server's mount: /mcp/
+                tasks = client.experimental
+                first = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
+                again = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
+                await asyncio.sleep(0.3)
+                status = await tasks.get_task(again.task.taskId)  # tasks/* pass through
+                return first, again, status
+
+        first, again, status = asyncio.run(scenario())
+        assert again.task.taskId == first.task.taskId
+        assert status.status == "completed"
+        assert tool.runs["orders"] == 1
+    finally:
+        tool.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", -32700),
+        (b'{"jsonrpc": "1.0", "id": 9, "method": "tools/call"}', -32600),
+        (b'[{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "x"}}]', -32600),
+        (b'{"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": 5}}', -32602),
+    ],
+)
+def test_a_body_that_cannot_be_guarded_is_a_json_rpc_error(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, body: bytes, code: int
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    answer = httpx.post(
+        proxy.url + "/mcp",
+        content=body,
+        headers={"Content-Type": "application/json", "Accept": "application/json"},
+    )
+    assert answer.status_code == (200 if code == -32602 else 400)
+    assert answer.json()["error"]["code"] == code
+    assert answer.json()["jsonrpc"] == "2.0"
+
+
+def test_a_cancellation_of_another_request_is_forwarded(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 77}}
+        answer = raw.post(note)
+        gone = http.delete(proxy.url + "/mcp", headers=raw.headers)
+    assert answer.status_code == 202  # the server's own answer to a notification
+    assert gone.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "problem"),
+    [
+        ({"mcp": {"guard": []}}, "routes[0].mcp.guard: all, annotated, or a non-empty list"),
+        ({"mcp": {"key_meta": "a b"}}, "routes[0].mcp.key_meta: a _meta member name"),
+        ({"mcp": {"other": 1}}, "routes[0].mcp.other: unknown key"),
+        ({"protocol": "grpc"}, "routes[0].protocol: Input should be 'http' or 'mcp'"),
+    ],
+)
+def test_mcp_settings_are_validated(route: dict[str, Any], problem: str) -> None:
+    spec = {"name": "m", "path_prefix": "/mcp", "upstream": "http://t/mcp", "protocol": "mcp"}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": [{**spec, **route}]}, env={})
+    assert any(p.startswith(problem) for p in caught.value.problems), caught.value.problems
+
+
+def test_mcp_settings_need_protocol_mcp() -> None:
+    spec = {"name": "m", "path_prefix": "/mcp", "upstream": "http://t/mcp", "mcp": {}}
+    with pytest.raises(ConfigError, match="mcp: needs protocol: mcp"):
+        parse_config({"routes": [spec]}, env={})
+
+
+def test_sse_data_reads_message_events() -> None:
+    stream = b'event: message\r\ndata: {"a":\r\ndata: 1}\r\n\r\n: ping\n\nevent: other\ndata: x\n\n'
+    assert list(mcp.sse_data(stream)) == [b'{"a":\n1}']
