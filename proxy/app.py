@@ -412,7 +412,9 @@ class McpExchange:
     def read(self) -> Awaitable[bytes]:
         return read_body(self.request, self.proxy.max_body)
 
-    def forward(self, body: bytes, *, once: bool) -> Awaitable[UpstreamResponse]:
+    def forward(
+        self, body: bytes, *, once: bool, policies: bool = False
+    ) -> Awaitable[UpstreamResponse]:
         proxy, request, route = self.proxy, self.request, self.route
 
         def send() -> Awaitable[UpstreamResponse]:
@@ -420,8 +422,8 @@ class McpExchange:
                 return proxy._forward_with_token(request, route, body, self.identity, once)
             return proxy._send(request, route, body, at_most_once=once)
 
-        chain = proxy.chains.get(route.name)
-        if chain is None:
+        chain = proxy.chains.get(route.name) if policies else None
+        if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
         self.context = Context(route, request, body, self.principal)
         return chain.wrap(self.context, send)()
@@ -432,7 +434,7 @@ class McpExchange:
     async def pass_through(self, route: RouteConfig) -> Response:
         proxy, name = self.proxy, route.name
         self.route = route  # a GET stream's: the same route with a longer timeout
-        if (proxy.tokens is None or not proxy.tokens.applies(name)) and name not in proxy.chains:
+        if proxy.tokens is None or not proxy.tokens.applies(name):
             return await proxy._pass_through(self.request, route)
         return await self.relay(await self.forward(await self.read(), once=False))
 

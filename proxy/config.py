@@ -551,6 +551,11 @@ class RouteConfig(_Strict):
     def _mcp_needs_protocol(self) -> RouteConfig:
         if self.mcp is not None and self.protocol is not RouteProtocol.MCP:
             raise ValueError("mcp: needs protocol: mcp")
+        if self.reconcile is not None and self.protocol is RouteProtocol.MCP:
+            raise ValueError(
+                "reconcile: not on protocol: mcp routes (a look-up's answer is no JSON-RPC "
+                "response to replay)"
+            )
         return self
 
     @field_validator("limits")

@@ -88,8 +88,11 @@ class Exchange(Protocol):
     def read(self) -> Awaitable[bytes]:
         """The whole request body (within limits.max_body_bytes)."""
 
-    def forward(self, body: bytes, *, once: bool) -> Awaitable[UpstreamResponse]:
-        """Send the request with ``body``; ``once``: a guarded call, never sent twice."""
+    def forward(
+        self, body: bytes, *, once: bool, policies: bool = False
+    ) -> Awaitable[UpstreamResponse]:
+        """Send the request with ``body``; ``once``: a guarded call, never sent twice;
+        ``policies``: a ``tools/call``, which the route's policies (limits, locks) apply to."""
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
         """The upstream's answer, unchanged."""
@@ -144,6 +147,11 @@ class ReadAnswer(UpstreamResponse):
         yield self.body
 
 
+# HTTP statuses with which a Streamable HTTP server refuses a POST before any tool runs:
+# malformed, unauthenticated, forbidden, unknown session, wrong method, Accept or body type.
+TRANSPORT_REFUSALS = frozenset({400, 401, 403, 404, 405, 406, 415})
+
+
 class McpView:
     """The MCP view of one route: which calls are guarded, and what tools it knows."""
 
@@ -160,6 +168,9 @@ class McpView:
         """Tool name → True if its annotations say read-only or idempotent (annotated)."""
         self.in_flight: dict[tuple[str, str | int], int] = {}
         """(session, id) of the guarded calls being run or awaited now."""
+        release = self.policy.release_on_status if self.policy is not None else ()
+        self._not_run = TRANSPORT_REFUSALS | frozenset(release)
+        """HTTP statuses of a tools/call answer that say the tool was not called."""
 
     def guards(self, tool: str) -> bool:
         """True if ``tools/call`` of ``tool`` is guarded on this route."""
@@ -190,13 +201,15 @@ class McpView:
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
-        upstream = await exchange.forward(body, once=False)
+        upstream = await exchange.forward(body, once=False, policies=call is not None)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
     def _cancels(self, session: str, note: types.JSONRPCNotification) -> bool:
         """True if ``note`` cancels a guarded call in flight: it is not forwarded."""
         if note.method != "notifications/cancelled" or not note.params:
             return False
+        if self.guard is not None:  # it may name a guarded call running on another replica
+            return True
         named = note.params.get("requestId")
         return isinstance(named, str | int) and (session, named) in self.in_flight
 
@@ -238,11 +251,12 @@ class McpView:
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         if op is None:  # no key, and the route does not require one
-            upstream = await exchange.forward(body, once=False)
+            upstream = await exchange.forward(body, once=False, policies=True)
             return Handled(await exchange.relay(upstream), Outcome.PASSED, None)
 
         async def forward() -> UpstreamResponse:
-            return await read_answer(await exchange.forward(body, once=True), call.id)
+            sent = await exchange.forward(body, once=True, policies=True)
+            return await read_answer(sent, call.id, self._not_run)
 
         flight = (session, call.id)
         self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
@@ -408,12 +422,21 @@ def _header(request: Incoming, name: bytes) -> str:
 # -- reading answers ------------------------------------------------------------------
 
 
-async def read_answer(upstream: UpstreamResponse, id: str | int) -> UpstreamResponse:
+async def read_answer(
+    upstream: UpstreamResponse, id: str | int, not_run: frozenset[int] = frozenset()
+) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
-    response as JSON. ``McpRefused`` (the key is released) for an HTTP error status;
-    ``OutcomeUnknown`` (recorded FAILED) if a 200 answer holds no response to ``id``."""
+    response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
+    tool was not called (``not_run``: the transport's refusals, and the route's
+    ``release_on_status``); ``OutcomeUnknown`` (recorded FAILED) for any other status that
+    is not 200, or a 200 answer that holds no response to ``id``."""
     raw = await upstream.read()
     form = _content_type(upstream.headers)
+    if upstream.status != 200 and upstream.status not in not_run:
+        raise OutcomeUnknown(
+            f"the MCP server answered HTTP {upstream.status} to this call; the tool may have run",
+            status=502,
+        )
     if upstream.status != 200:
         raise McpRefused(
             f"the MCP server answered HTTP {upstream.status}: the tool was not called",

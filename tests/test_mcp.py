@@ -14,7 +14,8 @@ from mcp.shared.exceptions import McpError
 
 from proxy import mcp
 from proxy.config import parse_config
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, McpRefused, OutcomeUnknown
+from proxy.forwarding import UpstreamResponse
 from tests.conftest import ProxyFactory, new_key
 from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
 from tests.servers import ThreadServer
@@ -397,3 +398,42 @@ def test_mcp_settings_need_protocol_mcp() -> None:
 def test_sse_data_reads_message_events() -> None:
     stream = b'event: message\r\ndata: {"a":\r\ndata: 1}\r\n\r\n: ping\n\nevent: other\ndata: x\n\n'
     assert list(mcp.sse_data(stream)) == [b'{"a":\n1}']
+
+
+class _Answer(UpstreamResponse):
+    """An MCP server's HTTP answer, already read."""
+
+    def __init__(self, status: int, body: bytes = b"{}") -> None:
+        super().__init__(status, [(b"content-type", b"application/json")], len(body), None)  # type: ignore[arg-type]
+        self.body = body
+
+    async def read(self) -> bytes:
+        return self.body
+
+
+@pytest.mark.parametrize("status", [500, 502, 504, 409])
+def test_an_http_error_after_the_call_was_sent_is_an_unknown_outcome(status: int) -> None:
+    """A gateway's 502/504 or a server's 500 can come after the tool ran: the key is not
+    released (it is recorded FAILED), so a retry never runs the tool a second time."""
+    with pytest.raises(OutcomeUnknown):
+        asyncio.run(mcp.read_answer(_Answer(status), 1, mcp.TRANSPORT_REFUSALS))
+
+
+@pytest.mark.parametrize("status", [400, 404, 406, 429])
+def test_a_transport_refusal_or_release_status_releases_the_key(status: int) -> None:
+    not_run = mcp.TRANSPORT_REFUSALS | {429}
+    with pytest.raises(McpRefused):
+        asyncio.run(mcp.read_answer(_Answer(status), 1, not_run))
+
+
+def test_reconcile_is_refused_on_mcp_routes() -> None:
+    spec = {
+        "name": "m",
+        "path_prefix": "/mcp",
+        "upstream": "http://t/mcp",
+        "protocol": "mcp",
+        "idempotency": {},
+        "reconcile": {"path": "/c/{key}"},
+    }
+    with pytest.raises(ConfigError, match="reconcile: not on protocol: mcp"):
+        parse_config({"routes": [spec]}, env={})

@@ -238,13 +238,19 @@ def test_reads_carry_the_version_and_writes_must_name_the_current_one(
     assert len(writes) == 4
 
 
-def test_a_failed_write_keeps_the_version(make_proxy: ProxyFactory, tool: CountingTool) -> None:
+def test_a_refused_write_keeps_the_version_a_failed_one_moves_it(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """A 4xx refusal wrote nothing; a 5xx may have written part: the version moves on, so
+    a writer that read the old one gets 412, never a lost update."""
     proxy = make_proxy(versioned(tool.url))
     refused = put(proxy.url, if_match="*", query="?status=500")
     assert refused.status_code == 412  # never written: * does not match version 0
+    kept = put(proxy.url, if_none_match="*", query="?status=409")
+    assert kept.status_code == 409 and kept.headers["etag"] == '"0"'
     failed = put(proxy.url, if_none_match="*", query="?status=500")
-    assert failed.status_code == 500 and failed.headers["etag"] == '"0"'
-    assert put(proxy.url, if_none_match="*").headers["etag"] == '"1"'
+    assert failed.status_code == 500 and failed.headers["etag"] == '"1"'
+    assert put(proxy.url, if_none_match="*").status_code == 412  # it may have been written
 
 
 def test_a_write_without_a_precondition_is_428_when_required(
@@ -370,3 +376,38 @@ def test_two_agents_writing_version_1_across_replicas_one_wins_one_gets_412(
     assert sorted(r.status_code for r in answers) == [200, 412]
     assert {r.headers["etag"] for r in answers} == {'"2"'}
     assert len([r for r in tool.requests if r["method"] == "PUT"]) == 2  # the first, one more
+
+
+def test_an_answer_whose_body_broke_leaves_the_lock_to_lapse() -> None:
+    """Released only when the answer was read to its end; if the exchange broke, the
+    tool may still be at work, so the lock lapses after its ttl instead."""
+    import asyncio
+
+    from proxy.errors import OutcomeUnknown
+    from proxy.forwarding import UpstreamResponse
+    from proxy.policies.limits import Settled
+
+    class Broken(UpstreamResponse):
+        def __init__(self) -> None:
+            super().__init__(200, [], None, None)  # type: ignore[arg-type]
+
+        async def read(self) -> bytes:
+            raise OutcomeUnknown("the connection broke mid-body")
+
+    ends: list[tuple[bytes | None, bool]] = []
+    settled = Settled(Broken(), lambda body, whole: ends.append((body, whole)))
+    with pytest.raises(OutcomeUnknown):
+        asyncio.run(settled.read())
+    assert ends == [(None, False)]
+
+
+@pytest.mark.parametrize(
+    ("status", "wrote"),
+    [(200, True), (201, True), (500, True), (504, True), (409, False), (503, False)],
+)
+def test_a_version_moves_on_unless_the_tool_certainly_did_not_write(
+    status: int, wrote: bool
+) -> None:
+    from proxy.policies.versioning import _may_have_written
+
+    assert _may_have_written(status) is wrote

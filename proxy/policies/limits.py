@@ -336,7 +336,7 @@ class Limits:
             await self._pause(upstream)
         if not call.slots and not self._trues_up:
             return upstream
-        return Settled(upstream, lambda body: self._settle(call, body))
+        return Settled(upstream, lambda body, whole: self._settle(call, body))
 
     def _settle(self, call: _Call, body: bytes | None) -> None:
         """The answer is read (``body`` None: not kept, or not had whole)."""
@@ -402,31 +402,37 @@ class Limits:
             self.log.warning("route_pause_failed", route=self.route, error=exc.detail)
 
 
-class Settled(UpstreamResponse):
-    """An answer that tells the limits when its body has been read (whole, or streamed
-    to its end): then the token cost is trued up and the slots are freed."""
+Done = Callable[[bytes | None, bool], None]
+"""Called once a body has been read: the body (None if not kept) and whether it was read
+to its end (False: the exchange broke or timed out, the tool may still be working)."""
 
-    def __init__(self, upstream: UpstreamResponse, done: Callable[[bytes | None], None]) -> None:
+
+class Settled(UpstreamResponse):
+    """An answer that tells the policies when its body has been read (whole, or streamed
+    to its end): then the token cost is trued up, slots and locks are freed."""
+
+    def __init__(self, upstream: UpstreamResponse, done: Done) -> None:
         super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
         self._upstream = upstream
-        self._done: Callable[[bytes | None], None] | None = done
+        self._done: Done | None = done
 
-    def _end(self, body: bytes | None) -> None:
+    def _end(self, body: bytes | None, whole: bool) -> None:
         done, self._done = self._done, None
         if done is not None:
-            done(body)
+            done(body, whole)
 
     async def read(self) -> bytes:
-        body = None
+        body, whole = None, False
         try:
             body = await self._upstream.read()
+            whole = True
             return body
         finally:
-            self._end(body)
+            self._end(body, whole)
 
     async def stream(self) -> AsyncIterator[bytes]:
         kept: list[bytes] | None = []
-        size = 0
+        size, whole = 0, False
         try:
             async for chunk in self._upstream.stream():
                 if kept is not None:
@@ -436,11 +442,12 @@ class Settled(UpstreamResponse):
                     else:
                         kept = None
                 yield chunk
+            whole = True
         except BaseException:
             kept = None
             raise
         finally:
-            self._end(None if kept is None else b"".join(kept))
+            self._end(None if kept is None else b"".join(kept), whole)
 
 
 def header_value(context: Context, name: bytes) -> str:

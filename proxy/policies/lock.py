@@ -68,4 +68,12 @@ class Lock:
         except BaseException:
             self.locker.abandon(held)
             raise
-        return Settled(upstream, lambda body: self.locker.release(held))
+        return Settled(upstream, lambda body, whole: self._settled(held, whole))
+
+    def _settled(self, held: Held, whole: bool) -> None:
+        """Free the lock once the answer is read; if the exchange broke, the tool may still
+        be working: the lock is left to lapse after its ttl instead."""
+        if whole:
+            self.locker.release(held)
+        else:
+            self.locker.abandon(held)

@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import json
 import math
-import time
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,7 @@ class Locker:
         self.log = log
         self._lines: dict[str, _Line] = {}
         self._owners = (f"{id(self):x}.{n}" for n in range(1 << 62))
-        self._prefix = hashlib.sha256(str(time.time_ns()).encode()).hexdigest()[:12]
+        self._prefix = secrets.token_hex(8)  # two processes never share lock owners
 
     async def take(self, key: str) -> Held:
         """The lock of ``key``, within the wait; ``ResourceLocked`` or ``LocksUnavailable``."""

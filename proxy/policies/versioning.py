@@ -36,7 +36,7 @@ from proxy.errors import (
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
-from proxy.policies.limits import header_value
+from proxy.policies.limits import Settled, header_value
 from proxy.policies.resources import NOT_SENT, Held, Locker, resource_key
 from proxy.store.locks import Locks
 
@@ -134,15 +134,25 @@ class Versioning:
             self.locker.release(held)
             raise
         except BaseException:
-            await self._bump(key, held)
+            if await self._bump(key, held) is not None:
+                self.locker.release(held)
             raise
         self.metrics.resource_decision(self.route, "versioning", "forwarded")
-        if 200 <= upstream.status < 300:
-            version = await self._bump(key, held) or version
-        else:
-            self.locker.release(held)
+        if _may_have_written(upstream.status):
+            bumped = await self._bump(key, held)
+            if bumped is None:  # the reservation is left to lapse: nothing more to free
+                return upstream
+            version = bumped
         context.headers.append((b"etag", etag(version).encode()))
-        return upstream
+        # the reservation is held until the answer has been read: no other write of this
+        # resource reaches the tool while this one may still be at work
+        return Settled(upstream, lambda body, whole: self._settled(held, whole))
+
+    def _settled(self, held: Held, whole: bool) -> None:
+        if whole:
+            self.locker.release(held)
+        else:
+            self.locker.abandon(held)
 
     async def _version(self, key: str) -> int:
         try:
@@ -164,5 +174,11 @@ class Versioning:
             self.locker.abandon(held)
             return None
         self.metrics.resource_decision(self.route, "versioning", "bumped")
-        self.locker.release(held)
         return version
+
+
+def _may_have_written(status: int) -> bool:
+    """True unless the status says the tool did not write: a 4xx refusal, or 503 (busy).
+    A 2xx wrote; a 5xx may have written part of it: either way the version moves on, so a
+    writer that read the version before it gets 412, never a lost update."""
+    return not (400 <= status < 500 or status == 503)
