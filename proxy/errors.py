@@ -460,3 +460,20 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]) -> None:
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+# Raised before anything reached the tool (no connection, no token, a limit, a lock or a
+# precondition refused the call): a guarded call's key is released, a reservation refunded,
+# a lock freed at once. One list, so the state machine and the policies never disagree.
+NOT_SENT: tuple[type[ProxyError], ...] = (
+    UpstreamUnreachable,
+    Unauthorized,
+    IdentityProviderUnavailable,
+    RateLimited,
+    LimitsUnavailable,
+    LocksUnavailable,
+    ResourceKeyMissing,
+    ResourceLocked,
+    PreconditionFailed,
+    PreconditionRequired,
+)

@@ -41,24 +41,16 @@ from starlette.responses import Response, StreamingResponse
 from proxy.background import TaskSet
 from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, LapsedLease, RouteConfig
 from proxy.errors import (
-    IdentityProviderUnavailable,
+    NOT_SENT,
     KeyReusedWithOtherBody,
-    LimitsUnavailable,
-    LocksUnavailable,
     NotExecuted,
     OffloadUnavailable,
     OutcomeUnknown,
-    PreconditionFailed,
-    PreconditionRequired,
     ProxyError,
-    RateLimited,
     RequestInProgress,
-    ResourceKeyMissing,
-    ResourceLocked,
     ResponseNotStored,
     StoreRefused,
     StoreUnavailable,
-    Unauthorized,
     UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
@@ -80,19 +72,6 @@ RECORD_RETRY_SECONDS = 0.5
 # The share of lock_ttl, counted from when a claim or renewal was sent, during which this
 # process takes its lease to be alive; past it, a call not yet sent is not sent at all.
 LEASE_SAFETY = 0.9
-# Raised by ``forward`` when nothing reached the tool: the key is released.
-_NOT_SENT = (
-    UpstreamUnreachable,
-    Unauthorized,
-    IdentityProviderUnavailable,
-    RateLimited,
-    LimitsUnavailable,
-    LocksUnavailable,
-    ResourceKeyMissing,
-    ResourceLocked,
-    PreconditionFailed,
-    PreconditionRequired,
-)
 
 
 class Outcome(StrEnum):
@@ -401,7 +380,7 @@ class Guard:
         try:
             self._check_lease(lease)
             upstream = await forward()
-        except _NOT_SENT:
+        except NOT_SENT:
             await self._conclude(lease, RELEASE)
             raise
         except OutcomeUnknown as exc:

@@ -35,12 +35,10 @@ import jsonpointer
 from proxy.background import TaskSet
 from proxy.config import LimitConfig, RouteConfig, StoreDown
 from proxy.errors import (
-    IdentityProviderUnavailable,
+    NOT_SENT,
     LimitsUnavailable,
     RateLimited,
     StoreUnavailable,
-    Unauthorized,
-    UpstreamUnreachable,
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
@@ -59,7 +57,6 @@ SLOT_RETRY_AFTER = 1
 # Response bodies read for a token true-up at most (larger ones keep the estimate).
 MAX_TRUE_UP_BYTES = 1024 * 1024
 # Raised by ``forward`` when nothing reached the tool: the reservation is given back.
-_NOT_SENT = (UpstreamUnreachable, Unauthorized, IdentityProviderUnavailable, RateLimited)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 
 
@@ -326,7 +323,7 @@ class Limits:
     async def _forward(self, context: Context, call: _Call, forward: Forward) -> UpstreamResponse:
         try:
             upstream = await forward()
-        except _NOT_SENT:
+        except NOT_SENT:
             self._finish(call, [(rate, -rate.cost) for rate in call.rates])
             raise
         except BaseException:  # perhaps executed: the reservation stands

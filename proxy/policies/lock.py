@@ -22,11 +22,12 @@ from typing import Any
 
 from proxy.background import TaskSet
 from proxy.config import RouteConfig
+from proxy.errors import NOT_SENT
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
 from proxy.policies.limits import Settled
-from proxy.policies.resources import NOT_SENT, Held, Locker, resource_key
+from proxy.policies.resources import Held, Locker, resource_key
 from proxy.store.locks import Locks
 
 

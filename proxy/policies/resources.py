@@ -23,36 +23,16 @@ from typing import Any
 
 from proxy.background import TaskSet
 from proxy.errors import (
-    IdentityProviderUnavailable,
-    LimitsUnavailable,
     LocksUnavailable,
-    PreconditionFailed,
-    PreconditionRequired,
-    RateLimited,
     ResourceKeyMissing,
     ResourceLocked,
     StoreUnavailable,
-    Unauthorized,
-    UpstreamUnreachable,
 )
 from proxy.metrics import Metrics
 from proxy.policies import Context
 from proxy.policies.limits import header_value, pointed
 from proxy.store.locks import Locks
 
-# Raised by ``forward`` when nothing reached the tool: the lock is freed at once.
-NOT_SENT = (
-    UpstreamUnreachable,
-    Unauthorized,
-    IdentityProviderUnavailable,
-    RateLimited,
-    LimitsUnavailable,
-    LocksUnavailable,
-    ResourceKeyMissing,
-    ResourceLocked,
-    PreconditionFailed,
-    PreconditionRequired,
-)
 # The first pause between two asks of a held lock, doubled up to the longest one.
 FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05

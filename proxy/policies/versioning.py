@@ -27,6 +27,7 @@ from typing import Any
 from proxy.background import TaskSet
 from proxy.config import RouteConfig
 from proxy.errors import (
+    NOT_SENT,
     LocksUnavailable,
     PreconditionFailed,
     PreconditionRequired,
@@ -37,7 +38,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
 from proxy.policies.limits import Settled, header_value
-from proxy.policies.resources import NOT_SENT, Held, Locker, resource_key
+from proxy.policies.resources import Held, Locker, resource_key
 from proxy.store.locks import Locks
 
 # The lease of a write's reservation, renewed every third of it while the call runs.
