@@ -1,7 +1,8 @@
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,9 @@ import pytest
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
+from proxy.store import Store, make_store
+from proxy.store.memory import MemoryStore
+from proxy.store.sqlite import SQLiteStore
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
@@ -114,3 +118,53 @@ def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
 
 def new_key(body: Any, step: int = 1, plan: str | None = None) -> str:
     return composite_key(plan or f"plan-{uuid.uuid4().hex[:12]}", step, body)
+
+
+Later = Callable[[float], Awaitable[None]]
+"""Let ``seconds`` pass for the store under test."""
+
+
+class Clock:
+    """A clock the test moves by hand (the contract suites' stores take it)."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def clocked_store(url: str, clock: Clock) -> Store:
+    """The store ``url`` names, on ``clock`` where it takes one (Redis does not)."""
+    if url.startswith("memory://"):
+        return MemoryStore(clock)
+    if url.startswith("sqlite://"):
+        return SQLiteStore(url, clock)
+    return make_store(url)
+
+
+@pytest.fixture
+async def opened(store_url: str, clock: Clock) -> AsyncIterator[Store]:
+    """The store under test (memory, SQLite, Redis), opened, on ``clock``."""
+    store = clocked_store(store_url, clock)
+    await store.open()
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def later(store_url: str, clock: Clock) -> Later:
+    """Move time on: the clock for memory and SQLite; Redis expires by its own, so sleep."""
+
+    async def fast_forward(seconds: float) -> None:
+        if store_url.startswith("redis"):
+            await asyncio.sleep(seconds)
+        else:
+            clock.now += seconds
+
+    return fast_forward

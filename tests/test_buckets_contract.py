@@ -7,13 +7,12 @@ so there ``later`` sleeps (the intervals are a few hundred milliseconds at most)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from proxy.store import Buckets, Store, make_buckets
 from proxy.store.buckets import Rate, Slots
-from tests.test_store_contract import Clock, Later, clocked_store
+from tests.conftest import Later
 
 pytestmark = pytest.mark.anyio
 
@@ -29,32 +28,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def opened(store_url: str, clock: Clock) -> AsyncIterator[Store]:
-    store = clocked_store(store_url, clock)
-    await store.open()
-    yield store
-    await store.close()
-
-
-@pytest.fixture
 def buckets(opened: Store) -> Buckets:
     return make_buckets(opened)
-
-
-@pytest.fixture
-def later(store_url: str, clock: Clock) -> Later:
-    async def fast_forward(seconds: float) -> None:
-        if store_url.startswith("redis"):
-            await asyncio.sleep(seconds)
-        else:
-            clock.now += seconds
-
-    return fast_forward
 
 
 async def take(buckets: Buckets, *rates: Rate, owner: str = "o", ttl: float = 5.0) -> bool:

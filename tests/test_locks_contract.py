@@ -8,12 +8,11 @@ own clock, so there ``later`` sleeps (the leases are a few hundred milliseconds)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from proxy.store import Locks, Store, make_locks
-from tests.test_store_contract import Clock, Later, clocked_store
+from tests.conftest import Later
 
 pytestmark = pytest.mark.anyio
 
@@ -27,32 +26,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def opened(store_url: str, clock: Clock) -> AsyncIterator[Store]:
-    store = clocked_store(store_url, clock)
-    await store.open()
-    yield store
-    await store.close()
-
-
-@pytest.fixture
 def locks(opened: Store) -> Locks:
     return make_locks(opened)
-
-
-@pytest.fixture
-def later(store_url: str, clock: Clock) -> Later:
-    async def fast_forward(seconds: float) -> None:
-        if store_url.startswith("redis"):
-            await asyncio.sleep(seconds)
-        else:
-            clock.now += seconds
-
-    return fast_forward
 
 
 async def test_one_owner_at_a_time(locks: Locks) -> None:

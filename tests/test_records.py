@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ from proxy.cli import main
 from proxy.errors import InvalidField
 from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State, Store
-from tests.conftest import ProxyFactory, new_key, route
+from tests.conftest import Later, ProxyFactory, new_key, route
 from tests.servers import CountingTool
-from tests.test_store_contract import Clock, clocked_store
 
 BODY = {"db": "orders"}
 
@@ -30,12 +28,8 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-async def store(store_url: str) -> AsyncIterator[Store]:
-    opened = clocked_store(store_url, clock := Clock())
-    opened.clock = clock  # type: ignore[attr-defined]
-    await opened.open()
-    yield opened
-    await opened.close()
+def store(opened: Store) -> Store:
+    return opened
 
 
 def key(plan: str, step: int, route_name: str = "tool") -> RecordKey:
@@ -57,13 +51,10 @@ def test_ids_round_trip_and_refuse_others() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_lapsed_lease_shows_as_failed_and_lapsed(store: Store, store_url: str) -> None:
+async def test_a_lapsed_lease_shows_as_failed_and_lapsed(store: Store, later: Later) -> None:
     at = key("plan-lapsed", 1)
     assert (await store.claim(at, "fp", "gone", 0.05, 60.0)).claimed
-    if store_url.startswith("redis"):
-        await asyncio.sleep(0.1)
-    else:
-        store.clock.now += 1  # type: ignore[attr-defined]
+    await later(0.1)
     assert not (await store.claim(at, "fp", "retry", 5.0, 60.0)).claimed
     (record,) = await store.records(at.scope)
     view = records.record_view(record, body=True)

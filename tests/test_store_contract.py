@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from proxy.errors import StoreUnavailable
 from proxy.store import RecordKey, State, Store, make_store
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SQLiteStore
+from tests.conftest import Later
 from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
@@ -34,51 +34,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-Later = Callable[[float], Awaitable[None]]
-"""Let ``seconds`` pass for the store under test."""
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-def clocked_store(url: str, clock: Clock) -> Store:
-    """The store ``url`` names, on ``clock`` where it takes one (Redis does not)."""
-    if url.startswith("memory://"):
-        return MemoryStore(clock)
-    if url.startswith("sqlite://"):
-        return SQLiteStore(url, clock)
-    return make_store(url)
-
-
-@pytest.fixture
-async def store(store_url: str, clock: Clock) -> AsyncIterator[Store]:
-    opened = clocked_store(store_url, clock)
-    await opened.open()
-    yield opened
-    await opened.close()
-
-
-@pytest.fixture
-def later(store_url: str, clock: Clock) -> Later:
-    async def fast_forward(seconds: float) -> None:
-        if store_url.startswith("redis"):
-            await asyncio.sleep(seconds)
-        else:
-            clock.now += seconds
-
-    return fast_forward
+def store(opened: Store) -> Store:
+    return opened
 
 
 def gone(store: Store, key: RecordKey) -> bool:
