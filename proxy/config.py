@@ -120,6 +120,21 @@ _ASYMMETRIC_ALGORITHMS = (
 _OFFLOAD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "file", "memory")
 
 
+def check_statuses(statuses: tuple[int, ...]) -> tuple[int, ...]:
+    """``statuses`` if each is an HTTP status, else ValueError naming the first that is not."""
+    for status in statuses:
+        if not 100 <= status <= 599:
+            raise ValueError(f"not an HTTP status: {status}")
+    return statuses
+
+
+def check_name(name: str, what: str) -> str:
+    """``name`` if it may name a route or a limit (in logs and metrics), else ValueError."""
+    if not _ROUTE_NAME.fullmatch(name):
+        raise ValueError(f"a {what} name is 1..64 characters of [A-Za-z0-9._-]")
+    return name
+
+
 def parse_duration(value: Any) -> float:
     """Seconds from a number or a string such as ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``."""
     if isinstance(value, bool):
@@ -217,10 +232,7 @@ class IdempotencyConfig(_Strict):
     @field_validator("release_on_status")
     @classmethod
     def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
-        for status in statuses:
-            if not 100 <= status <= 599:
-                raise ValueError(f"not an HTTP status: {status}")
-        return statuses
+        return check_statuses(statuses)
 
     @model_validator(mode="after")
     def _result_outlives_lease(self) -> IdempotencyConfig:
@@ -265,10 +277,7 @@ class ReconcileConfig(_Strict):
     @field_validator("found", "not_found")
     @classmethod
     def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
-        for status in statuses:
-            if not 100 <= status <= 599:
-                raise ValueError(f"not an HTTP status: {status}")
-        return statuses
+        return check_statuses(statuses)
 
     @model_validator(mode="after")
     def _disjoint(self) -> ReconcileConfig:
@@ -326,9 +335,7 @@ class LimitConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not _ROUTE_NAME.fullmatch(name):
-            raise ValueError("a limit name is 1..64 characters of [A-Za-z0-9._-]")
-        return name
+        return check_name(name, "limit")
 
     @field_validator("key")
     @classmethod
@@ -572,9 +579,7 @@ class RouteConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not _ROUTE_NAME.fullmatch(name):
-            raise ValueError("a route name is 1..64 characters of [A-Za-z0-9._-]")
-        return name
+        return check_name(name, "route")
 
     @field_validator("path_prefix")
     @classmethod
