@@ -413,3 +413,18 @@ def test_a_slot_is_renewed_while_its_call_runs_past_its_lease(
         assert long.result().status_code == 200
     time.sleep(0.1)  # the slot is freed after the answer
     assert call(proxy.url, "/tools/llm", {"n": "other"}).status_code == 200
+
+
+def test_an_answer_without_the_cost_field_keeps_the_estimate(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """No `usage` in the tool's answer: the reservation stands (logged), it is neither
+    refunded nor trued up to nothing."""
+    proxy = make_proxy(_tpm(tool.url))
+    first = call(proxy.url, "/tools/llm")  # 60 reserved; the answer says nothing of usage
+    assert first.status_code == 200
+    assert first.headers["ratelimit"].startswith('"tpm";r=40;')
+    time.sleep(0.2)  # the true-up would have followed the answer
+    refused = call(proxy.url, "/tools/llm", {"prompt": "more", "max_tokens": 50})
+    assert refused.status_code == 429, refused.text  # had 60 come back, 50 would fit
+    assert tool.total == 1
