@@ -1,0 +1,290 @@
+"""One contract for the job queue of ``async`` routes: memory, SQLite and a real
+redis-server.
+
+Memory and SQLite take a clock that ``later`` fast-forwards; Redis keeps time on its own
+clock, so there ``later`` sleeps (holds are a few hundred milliseconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy.store import Job, JobState, Queue, Store, make_queue
+from tests.conftest import Later
+
+pytestmark = pytest.mark.anyio
+
+VISIBILITY = 0.3
+KEEP = 60.0
+ACTIVE = frozenset({JobState.QUEUED, JobState.RUNNING})
+QUEUED = frozenset({JobState.QUEUED})
+RUNNING = frozenset({JobState.RUNNING})
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def queue(opened: Store) -> Queue:
+    return make_queue(opened)
+
+
+def job(id: str = "job-1", route: str = "slow", keep: float = KEEP) -> Job:
+    return Job(
+        id=id,
+        route=route,
+        principal="alice",
+        slot=f"{route}|alice|plan|1",
+        name="abc",
+        label="plan:1:abc",
+        request=b"POST /run\n\nbody \x00 bytes",
+        keep=keep,
+    )
+
+
+async def test_a_submitted_job_is_queued_with_its_first_event(queue: Queue) -> None:
+    submitted = await queue.submit(job())
+    stored = await queue.get("job-1")
+    assert stored == submitted
+    assert stored is not None
+    assert (stored.state, stored.seq, stored.attempts, stored.sent) == (
+        JobState.QUEUED,
+        1,
+        0,
+        False,
+    )
+    assert stored.request == b"POST /run\n\nbody \x00 bytes"
+    assert stored.created_at > 1e9 and stored.updated_at == stored.created_at
+    assert (stored.principal, stored.slot, stored.name, stored.label) == (
+        "alice",
+        "slow|alice|plan|1",
+        "abc",
+        "plan:1:abc",
+    )
+    events = await queue.events("job-1", 0)
+    assert [(e.seq, e.state, e.request) for e in events] == [(1, JobState.QUEUED, b"")]
+
+
+async def test_an_id_in_use_is_refused(queue: Queue) -> None:
+    await queue.submit(job())
+    with pytest.raises(ValueError, match="job-1"):
+        await queue.submit(job())
+
+
+async def test_unknown_jobs(queue: Queue) -> None:
+    assert await queue.get("nope") is None
+    assert await queue.events("nope", 0) == []
+    assert await queue.move("nope", ACTIVE, JobState.CANCELLED) is None
+    assert not await queue.hold("nope", "w1", VISIBILITY)
+    assert await queue.take("slow", "w1", VISIBILITY) is None
+
+
+async def test_one_worker_takes_a_job_and_holds_it(queue: Queue) -> None:
+    await queue.submit(job())
+    taken = await queue.take("slow", "w1", VISIBILITY)
+    assert taken is not None and taken.id == "job-1"
+    assert taken.request == b"POST /run\n\nbody \x00 bytes"
+    assert await queue.take("slow", "w2", VISIBILITY) is None
+    assert await queue.hold("job-1", "w1", VISIBILITY)
+    assert not await queue.hold("job-1", "w2", VISIBILITY)
+
+
+async def test_routes_are_apart(queue: Queue) -> None:
+    await queue.submit(job("a", "slow"))
+    await queue.submit(job("b", "other"))
+    taken = await queue.take("other", "w1", VISIBILITY)
+    assert taken is not None and taken.id == "b"
+    assert await queue.take("other", "w1", VISIBILITY) is None
+    taken = await queue.take("slow", "w1", VISIBILITY)
+    assert taken is not None and taken.id == "a"
+
+
+async def test_jobs_are_taken_oldest_first(queue: Queue, later: Later) -> None:
+    for id in ("first", "second", "third"):
+        await queue.submit(job(id))
+        await later(0.01)
+    taken = [await queue.take("slow", "w1", VISIBILITY) for _ in range(3)]
+    assert [t.id for t in taken if t is not None] == ["first", "second", "third"]
+
+
+async def test_a_lapsed_hold_hands_the_job_to_another_as_it_was_left(
+    queue: Queue, later: Later
+) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    running = await queue.move(
+        "job-1", QUEUED, JobState.RUNNING, worker="w1", sent=True, attempts=1
+    )
+    assert running is not None and running.sent
+    await later(VISIBILITY + 0.1)
+    assert not await queue.hold("job-1", "w1", VISIBILITY)
+    taken = await queue.take("slow", "w2", VISIBILITY)
+    assert taken is not None
+    assert (taken.state, taken.sent, taken.attempts) == (JobState.RUNNING, True, 1)
+    assert await queue.take("slow", "w3", VISIBILITY) is None  # w2 holds it now
+    assert await queue.move("job-1", RUNNING, JobState.FAILED, worker="w1") is None
+    failed = await queue.move("job-1", RUNNING, JobState.FAILED, worker="w2", error=b"{}")
+    assert failed is not None and failed.error == b"{}"
+
+
+async def test_a_renewed_hold_is_kept(queue: Queue, later: Later) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await later(0.2)
+    assert await queue.hold("job-1", "w1", VISIBILITY)
+    await later(0.2)  # past the first hold, within the renewed one
+    assert await queue.take("slow", "w2", VISIBILITY) is None
+
+
+async def test_a_taken_job_that_was_never_started_is_taken_over_queued(
+    queue: Queue, later: Later
+) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await later(VISIBILITY + 0.1)
+    taken = await queue.take("slow", "w2", VISIBILITY)
+    assert taken is not None and (taken.state, taken.sent) == (JobState.QUEUED, False)
+
+
+async def test_moves_compare_the_state_and_the_hold(queue: Queue) -> None:
+    await queue.submit(job())
+    assert await queue.move("job-1", RUNNING, JobState.COMPLETED) is None
+    assert await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1") is None  # not held
+    await queue.take("slow", "w1", VISIBILITY)
+    assert await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w2") is None
+    running = await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
+    assert running is not None and (running.state, running.seq, running.attempts) == (
+        JobState.RUNNING,
+        2,
+        1,
+    )
+    assert await queue.hold("job-1", "w1", VISIBILITY)  # RUNNING stays held
+    done = await queue.move("job-1", RUNNING, JobState.COMPLETED, worker="w1")
+    assert done is not None and (done.state, done.seq) == (JobState.COMPLETED, 3)
+    assert done.updated_at >= done.created_at
+    assert not await queue.hold("job-1", "w1", VISIBILITY)  # ended: out of the queue
+    assert await queue.take("slow", "w2", VISIBILITY) is None
+    assert await queue.move("job-1", ACTIVE, JobState.CANCELLED) is None
+    stored = await queue.get("job-1")
+    assert stored is not None and stored.state is JobState.COMPLETED
+
+
+async def test_a_queued_job_cancelled_is_never_taken(queue: Queue) -> None:
+    await queue.submit(job())
+    cancelled = await queue.move("job-1", QUEUED, JobState.CANCELLED)
+    assert cancelled is not None and cancelled.state is JobState.CANCELLED
+    assert await queue.take("slow", "w1", VISIBILITY) is None
+
+
+async def test_a_cancel_between_take_and_start_wins(queue: Queue) -> None:
+    await queue.submit(job())
+    assert await queue.take("slow", "w1", VISIBILITY) is not None
+    assert await queue.move("job-1", QUEUED, JobState.CANCELLED) is not None
+    assert await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1") is None
+    assert not await queue.hold("job-1", "w1", VISIBILITY)
+
+
+async def test_a_job_queued_again_waits_until_it_is_due(queue: Queue, later: Later) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
+    again = await queue.move(
+        "job-1", RUNNING, JobState.QUEUED, worker="w1", error=b'{"status": 503}', due=0.5
+    )
+    assert again is not None and again.state is JobState.QUEUED and again.attempts == 1
+    assert again.due >= again.updated_at + 0.45
+    assert not await queue.hold("job-1", "w1", VISIBILITY)  # held by nobody
+    assert await queue.take("slow", "w1", VISIBILITY) is None  # not due yet
+    await later(0.6)
+    taken = await queue.take("slow", "w2", VISIBILITY)
+    assert taken is not None and taken.error == b'{"status": 503}'
+
+
+async def test_a_job_queued_again_at_once_is_taken_at_once(queue: Queue) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1")
+    await queue.move("job-1", RUNNING, JobState.DEAD, worker="w1")
+    requeued = await queue.move("job-1", frozenset({JobState.DEAD}), JobState.QUEUED)
+    assert requeued is not None
+    taken = await queue.take("slow", "w2", VISIBILITY)
+    assert taken is not None and taken.state is JobState.QUEUED
+
+
+async def test_events_keep_every_change(queue: Queue) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1, sent=True)
+    await queue.move("job-1", RUNNING, JobState.COMPLETED, worker="w1")
+    events = await queue.events("job-1", 0)
+    assert [(e.seq, e.state, e.attempts) for e in events] == [
+        (1, JobState.QUEUED, 0),
+        (2, JobState.RUNNING, 1),
+        (3, JobState.COMPLETED, 1),
+    ]
+    assert all(e.request == b"" and e.id == "job-1" for e in events)
+    assert [e.seq for e in await queue.events("job-1", 2)] == [3]
+    assert await queue.events("job-1", 3) == []
+
+
+async def test_a_job_lives_keep_seconds_past_its_last_change(queue: Queue, later: Later) -> None:
+    await queue.submit(job(keep=0.5))
+    await later(0.3)
+    await queue.move("job-1", QUEUED, JobState.CANCELLED)
+    await later(0.3)  # 0.6 s after the submit, 0.3 s after the change
+    assert await queue.get("job-1") is not None
+    await later(0.4)
+    assert await queue.get("job-1") is None
+    assert await queue.events("job-1", 0) == []
+
+
+async def test_list_pages_through_jobs_by_state(queue: Queue) -> None:
+    for i in range(5):
+        await queue.submit(job(f"job-{i}"))
+    for i in (1, 3):
+        await queue.move(f"job-{i}", QUEUED, JobState.DEAD)
+    seen: list[str] = []
+    cursor = ""
+    while True:
+        cursor, page = await queue.list(None, cursor, 2)
+        assert all(j.request == b"" for j in page)
+        seen += [j.id for j in page]
+        if not cursor:
+            break
+    assert sorted(seen) == [f"job-{i}" for i in range(5)]
+    dead: list[str] = []
+    cursor = ""
+    while True:
+        cursor, page = await queue.list(JobState.DEAD, cursor, 10)
+        dead += [j.id for j in page]
+        if not cursor:
+            break
+    assert sorted(dead) == ["job-1", "job-3"]
+    assert {j.state for j in page} <= {JobState.DEAD}
+
+
+async def test_changes_name_the_jobs_that_change(queue: Queue) -> None:
+    seen: list[str] = []
+    ready = asyncio.Event()
+
+    async def subscribe(changes: AsyncIterator[str]) -> None:
+        ready.set()
+        async for id in changes:
+            seen.append(id)
+            if id == "job-2":
+                return
+
+    listener = asyncio.create_task(subscribe(queue.changes()))
+    await ready.wait()
+    await asyncio.sleep(0.05)  # Redis: the subscription is made
+    await queue.submit(job("job-1"))
+    await queue.move("job-1", QUEUED, JobState.CANCELLED)
+    await queue.submit(job("job-2"))
+    async with asyncio.timeout(5):
+        await listener
+    assert seen == ["job-1", "job-1", "job-2"]
