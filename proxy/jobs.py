@@ -236,6 +236,7 @@ class RouteJobs:
         self.log = log
         self._keep = guard.policy.result_ttl + self.config.max_queued
         self._wake = asyncio.Event()
+        self._polling = asyncio.Lock()
         self._workers: list[asyncio.Task[None]] = []
         self._stopping = False
 
@@ -302,7 +303,9 @@ class RouteJobs:
     async def _answer(self, job: Job, op: Operation, how: Asked) -> Response:
         ended = await self.hub.ended(job.id, how.wait)
         if ended is None or ended.state not in (JobState.COMPLETED, JobState.FAILED):
-            current = ended or await self.queue.get(job.id) or job
+            current = ended or job
+            if ended is None and how.wait > 0:  # it moved on while the caller waited
+                current = await self.queue.get(job.id) or job
             return accepted(current, self.guard.policy.retry_after, how.preferred)
         return await self.result(ended, first=True) or accepted(
             ended, self.guard.policy.retry_after, how.preferred
@@ -382,6 +385,7 @@ class RouteJobs:
             if job is None:
                 await self._idle(IDLE_POLL_SECONDS)
                 continue
+            self._wake.set()  # there may be more: the idle workers look too
             try:
                 await self._run(job, worker)
             except StoreUnavailable as exc:  # the job stays held until its hold lapses
@@ -390,10 +394,16 @@ class RouteJobs:
                 )
 
     async def _idle(self, seconds: float) -> None:
+        """Wait for a job: one idle worker polls the queue every ``seconds`` (for jobs of
+        other processes), the others wait until it, or a submission here, finds one."""
         self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._wake.wait()
+        if self._polling.locked():
+            await self._wake.wait()
+            return
+        async with self._polling:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self._wake.wait()
 
     async def _run(self, job: Job, worker: str) -> None:
         request = decode_request(job.request)
