@@ -41,8 +41,12 @@ from proxy.errors import (
     NOT_SENT,
     OffloadUnavailable,
     OutcomeUnknown,
+    PreconditionFailed,
+    PreconditionRequired,
     ProxyError,
+    ResourceKeyMissing,
     StoreUnavailable,
+    Unauthorized,
 )
 from proxy.idempotency import OWNERS, Guard, Lease, Outcome
 from proxy.job_events import Hub
@@ -60,6 +64,8 @@ JOB_OWNER = "job."
 IDLE_POLL_SECONDS = 0.25
 # Pause after the queue could not be read.
 QUEUE_RETRY_SECONDS = 1.0
+# Refusals no retry changes (the request itself is refused): the job ends DEAD at once.
+FINAL = (PreconditionFailed, PreconditionRequired, ResourceKeyMissing, Unauthorized)
 QUEUED = frozenset({JobState.QUEUED})
 RUNNING = frozenset({JobState.RUNNING})
 DEAD = frozenset({JobState.DEAD})
@@ -477,11 +483,11 @@ class RouteJobs:
         response: Response | None,
         body: bytes,
     ) -> None:
-        """Nothing ran: queue the job again after a backoff, or, its attempts spent,
-        end it DEAD and release its key."""
+        """Nothing ran: queue the job again after a backoff, or, its attempts spent (or
+        refused for good), end it DEAD and release its key."""
         error = _refusal(refusal, response, body)
         key = lease.op.key
-        if job.attempts >= self.config.attempts:
+        if job.attempts >= self.config.attempts or isinstance(refusal, FINAL):
             await self.store.release(key, lease.owner)
             await self.queue.move(
                 job.id, RUNNING, JobState.DEAD, worker=worker, sent=False, error=error
