@@ -378,8 +378,12 @@ async def test_redis_keeps_the_queue_in_one_slot_and_expiring(redis_url: str) ->
         await queue.move("job-1", QUEUED, JobState.CANCELLED)
         assert await raw.xlen(stream) == 0
         assert (await raw.xpending(stream, GROUP))["pending"] == 0
-        await store._script(_SWEEP_JOBS, [queue_key("exp")], 0)  # no idle time required
+        assert await store._script(_SWEEP_JOBS, [queue_key("routes")], 0) == 1  # w1
         assert await raw.xinfo_consumers(stream, GROUP) == []
+        await queue.submit(job("brief", keep=0.1))
+        await asyncio.sleep(0.2)
+        await queue.submit(job("next"))  # drops the expired id from the indexes
+        assert await raw.zrange(queue_key("ids"), 0, -1) == [b"job-1", b"next"]
     finally:
         await raw.aclose()
         await store.close()

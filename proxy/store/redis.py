@@ -481,8 +481,8 @@ class RedisStore:
         """Nothing to do: connections are made on first use, and remade after a failure."""
 
     async def sweep(self) -> int:
-        """Redis expires keys itself; this only prunes the job queue's indexes (see
-        ``RedisQueue.sweep``). No record is counted."""
+        """Redis expires keys itself; this only deletes the job queue's consumers that
+        are gone (``RedisQueue.sweep``). No record is counted."""
         await self.queue().sweep()
         return 0
 
@@ -811,7 +811,7 @@ class RedisLocks:
 QUEUE_TAG = f"{KEY_PREFIX}{{ops}}:"
 GROUP = "workers"
 # Consumers (workers) with no pending entry that did not read for this long are deleted
-# by the sweep (a worker that reads again is a consumer again).
+# by the sweep.
 IDLE_CONSUMER_MS = 3600 * 1000
 _JOB_FIELDS = (
     *("id", "rt", "pr", "sl", "nm", "lb", "rq", "kp"),
@@ -854,11 +854,18 @@ end
 """
 )
 
-# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms).
+# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms). Drops a
+# few expired jobs from the indexes on the way: each job is submitted once, so the
+# indexes hold about the live jobs.
 _SUBMIT = (
     _QUEUE_LIB
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local gone = redis.call('ZRANGE', Q .. 'exp', '-inf', now, 'BYSCORE', 'LIMIT', 0, 16)
+if #gone > 0 then
+  redis.call('ZREM', Q .. 'ids', unpack(gone))
+  redis.call('ZREM', Q .. 'exp', unpack(gone))
+end
 redis.call('DEL', Q .. 'ev:' .. ARGV[1])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'rt', ARGV[2], 'pr', ARGV[3], 'sl', ARGV[4],
   'nm', ARGV[5], 'lb', ARGV[6], 'rq', ARGV[7], 'kp', ARGV[8], 'st', 'queued', 'at', 0,
@@ -970,7 +977,7 @@ return {job, redis.call('XRANGE', KEYS[2], '(0-' .. ARGV[1], '+')}
 """
 
 # KEYS: the id index. ARGV: cursor ('' to start), count, state ('' for any). {next
-# cursor, jobs...} (``request`` empty); ids of expired jobs are skipped (see _SWEEP_JOBS).
+# cursor, jobs...} (``request`` empty); ids of expired jobs are skipped.
 _LIST_JOBS = f"""
 local Q = '{QUEUE_TAG}'
 local FIELDS = {{{", ".join(f"'{f}'" for f in _JOB_FIELDS)}}}
@@ -987,17 +994,13 @@ end
 return out
 """
 
-# KEYS: the expiry index. ARGV: the idle time (ms) past which a consumer with no pending
-# entry is deleted. Drops expired jobs from the indexes; returns how many.
+# KEYS: the route index. ARGV: the idle time (ms) past which a consumer with no pending
+# entry is deleted (a worker that reads again is a consumer again). Returns how many.
 _SWEEP_JOBS = (
     _QUEUE_LIB
     + """
-local gone = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, 1000)
-if #gone > 0 then
-  redis.call('ZREM', Q .. 'ids', unpack(gone))
-  redis.call('ZREM', KEYS[1], unpack(gone))
-end
-for _, route in ipairs(redis.call('SMEMBERS', Q .. 'routes')) do
+local deleted = 0
+for _, route in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local stream = Q .. 'q:' .. route
   if redis.call('EXISTS', stream) == 1 then
     for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, GROUP)) do
@@ -1005,11 +1008,12 @@ for _, route in ipairs(redis.call('SMEMBERS', Q .. 'routes')) do
       for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
       if info['pending'] == 0 and info['idle'] > tonumber(ARGV[1]) then
         redis.call('XGROUP', 'DELCONSUMER', stream, GROUP, info['name'])
+        deleted = deleted + 1
       end
     end
   end
 end
-return #gone
+return deleted
 """
 )
 
@@ -1037,7 +1041,8 @@ class RedisQueue:
         tp:{ops}:q:<route>   stream: queued jobs (field id), read by the group 'workers'
         tp:{ops}:due:<route> sorted set: jobs queued again, scored by when due (ms)
         tp:{ops}:ids         sorted set: every job id, score 0 (``list`` pages by id)
-        tp:{ops}:exp         sorted set: job ids by expiry (ms), pruned by ``sweep``
+        tp:{ops}:exp         sorted set: job ids by expiry (ms): ``submit`` drops a few
+                             expired ones from both indexes each time
         tp:{ops}:routes      set: the routes that have a stream (``sweep``)
         tp:{ops}:changes     pub/sub channel: the id of each job that changed
 
@@ -1069,10 +1074,10 @@ class RedisQueue:
             return []
         try:
             id_, route, principal, slot, name, label, keep, created = reply[0]
+            fixed = (id_, route, principal, slot, name, label, b"", keep)
             events = []
             for entry, pairs in reply[1]:
                 e = dict(zip(pairs[::2], pairs[1::2], strict=True))
-                fixed = (id_, route, principal, slot, name, label, b"", keep)
                 changing = (e[b"st"], e[b"at"], e[b"sn"], e[b"er"], created, e[b"ut"], e[b"du"])
                 events.append(_job([*fixed, *changing, entry.split(b"-")[1]]))
         except (ValueError, TypeError, KeyError) as exc:
@@ -1118,9 +1123,10 @@ class RedisQueue:
         return reply[0].decode(), [_job(fields) for fields in reply[1:]]
 
     async def sweep(self) -> int:
-        """Drop expired jobs' ids from the indexes, and consumers with nothing pending
-        that have not read for an hour; return how many jobs."""
-        return int(await self._store._script(_SWEEP_JOBS, [queue_key("exp")], IDLE_CONSUMER_MS))
+        """Delete the consumers with nothing pending that have not read for an hour
+        (workers gone); return how many."""
+        keys = [queue_key("routes")]
+        return int(await self._store._script(_SWEEP_JOBS, keys, IDLE_CONSUMER_MS))
 
     async def changes(self) -> AsyncIterator[str]:
         """Over a connection of its own (SUBSCRIBE), closed when the iterator is."""
