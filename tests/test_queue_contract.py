@@ -11,9 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from redis.asyncio import Redis
+from redis.crc import key_slot
 
 from proxy.store import Job, JobState, Queue, Store, make_queue
-from tests.conftest import Later
+from proxy.store.redis import _SWEEP_JOBS, GROUP, RedisStore, queue_key
+from tests.conftest import Clock, Later, clocked_store
 
 pytestmark = pytest.mark.anyio
 
@@ -288,3 +291,124 @@ async def test_changes_name_the_jobs_that_change(queue: Queue) -> None:
     async with asyncio.timeout(5):
         await listener
     assert seen == ["job-1", "job-1", "job-2"]
+
+
+async def test_concurrent_takers_get_different_jobs(queue: Queue) -> None:
+    for i in range(6):
+        await queue.submit(job(f"job-{i}"))
+    taken = await asyncio.gather(*(queue.take("slow", f"w{i}", VISIBILITY) for i in range(8)))
+    ids = [t.id for t in taken if t is not None]
+    assert sorted(ids) == [f"job-{i}" for i in range(6)]
+
+
+async def test_new_jobs_are_taken_before_lapsed_ones(queue: Queue, later: Later) -> None:
+    await queue.submit(job("old"))
+    await queue.take("slow", "w1", VISIBILITY)
+    await later(VISIBILITY + 0.1)
+    await queue.submit(job("new"))
+    first = await queue.take("slow", "w2", VISIBILITY)
+    second = await queue.take("slow", "w3", VISIBILITY)
+    assert (first and first.id, second and second.id) == ("new", "old")
+
+
+async def test_a_retry_cancelled_while_it_waits_is_never_taken(queue: Queue, later: Later) -> None:
+    await queue.submit(job())
+    await queue.take("slow", "w1", VISIBILITY)
+    await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
+    await queue.move("job-1", RUNNING, JobState.QUEUED, worker="w1", due=0.3)
+    assert await queue.move("job-1", QUEUED, JobState.CANCELLED) is not None
+    await later(0.4)
+    assert await queue.take("slow", "w2", VISIBILITY) is None
+    stored = await queue.get("job-1")
+    assert stored is not None and stored.state is JobState.CANCELLED
+
+
+async def test_an_expired_job_is_not_listed_and_its_id_is_free(
+    opened: Store, queue: Queue, later: Later
+) -> None:
+    await queue.submit(job(keep=0.3))
+    await queue.take("slow", "w1", VISIBILITY)
+    await later(0.4)
+    await opened.sweep()
+    assert await queue.list(None, "", 10) == ("", [])
+    assert await queue.take("slow", "w2", VISIBILITY) is None
+    again = await queue.submit(job())
+    assert again.seq == 1
+    assert [e.seq for e in await queue.events("job-1", 0)] == [1]
+    taken = await queue.take("slow", "w2", VISIBILITY)
+    assert taken is not None and taken.id == "job-1"
+
+
+async def test_two_processes_share_the_queue(store_url: str, clock: Clock, queue: Queue) -> None:
+    if store_url.startswith("memory://"):
+        pytest.skip("the memory store lives in one process")
+    other = clocked_store(store_url, clock)  # its own connection, as another process has
+    await other.open()
+    try:
+        theirs = make_queue(other)
+        await queue.submit(job())
+        taken = await theirs.take("slow", "w2", VISIBILITY)
+        assert taken is not None and taken.request == job().request
+        assert await queue.take("slow", "w1", VISIBILITY) is None
+        assert await theirs.move("job-1", QUEUED, JobState.RUNNING, worker="w2") is not None
+        stored = await queue.get("job-1")
+        assert stored is not None and stored.state is JobState.RUNNING
+    finally:
+        await other.close()
+
+
+async def test_redis_keeps_the_queue_in_one_slot_and_expiring(redis_url: str) -> None:
+    """Redis specifics: one hash slot (Cluster-safe scripts), PEXPIRE on the job and its
+    events, the stream entry dropped at the end, idle consumers pruned by the sweep."""
+    store = RedisStore(redis_url)
+    raw = Redis.from_url(redis_url)
+    try:
+        queue = store.queue()
+        assert queue is store.queue()
+        await queue.submit(job())
+        await queue.take("slow", "w1", VISIBILITY)
+        names = [name for name in await raw.keys("*") if isinstance(name, bytes)]
+        assert len(names) >= 6
+        slots = {key_slot(name) for name in names}
+        assert slots == {key_slot(queue_key("ids").encode())}
+        for name in (queue_key("job", "job-1"), queue_key("ev", "job-1")):
+            assert 0 < await raw.pttl(name) <= KEEP * 1000
+        stream = queue_key("q", "slow")
+        assert (await raw.xpending(stream, GROUP))["consumers"] == [{"name": b"w1", "pending": 1}]
+        await queue.move("job-1", QUEUED, JobState.CANCELLED)
+        assert await raw.xlen(stream) == 0
+        assert (await raw.xpending(stream, GROUP))["pending"] == 0
+        assert await store._script(_SWEEP_JOBS, [queue_key("routes")], 0) == 1  # w1
+        assert await raw.xinfo_consumers(stream, GROUP) == []
+        await queue.submit(job("brief", keep=0.1))
+        await asyncio.sleep(0.2)
+        await queue.submit(job("next"))  # drops the expired id from the indexes
+        assert await raw.zrange(queue_key("ids"), 0, -1) == [b"job-1", b"next"]
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
+async def test_redis_changes_close_their_connection(redis_url: str) -> None:
+    store = RedisStore(redis_url)
+    raw = Redis.from_url(redis_url)
+    try:
+        queue = store.queue()
+        assert await queue.get("job-1") is None  # the store's own connection is made
+        before = len(await raw.client_list())
+        changes = queue.changes()
+
+        async def next_change() -> str:
+            return await anext(changes)
+
+        first = asyncio.create_task(next_change())
+        await asyncio.sleep(0.1)
+        assert len(await raw.client_list()) == before + 1
+        await queue.submit(job())
+        assert await first == "job-1"
+        await changes.aclose()  # type: ignore[attr-defined]
+        await asyncio.sleep(0.1)
+        assert len(await raw.client_list()) == before
+    finally:
+        await raw.aclose()
+        await store.close()
