@@ -23,6 +23,8 @@ from proxy.config import parse_config
 from proxy.errors import ConfigError
 from proxy.jobs import asked, preferences
 from tests.conftest import ProxyFactory, new_key, route
+from tests.idp import IdentityProvider
+from tests.test_auth import auth_config
 from tests.servers import CountingTool, ThreadServer, running, wait_for
 
 BODY = {"repo": "tool-proxy", "pr": 12}
@@ -339,3 +341,56 @@ def test_a_queued_operation_is_cancelled_and_a_running_one_is_not(
     assert rerun.status_code == 202 and rerun.headers["location"] != queued
     until(proxy.url, rerun.headers["location"], "completed")
     assert tool.count(queued_key) == 1
+
+
+# -- who may see an operation -------------------------------------------------------------
+
+
+def test_only_the_principal_that_submitted_it_or_an_operator_sees_an_operation(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
+    proxy = make_proxy(
+        long_route(tool.url, auth={"required": True}),
+        auth=auth_config(idp),
+        admin={"token_env": "ADMIN_TOKEN"},
+    )
+    alice = {"Authorization": f"Bearer {idp.token('alice')}"}
+    bob = {"Authorization": f"Bearer {idp.token('bob')}"}
+    location = post(proxy.url, query="?delay=1", **ASYNC, **alice).headers["location"]
+    assert httpx.get(proxy.url + location, headers=alice).status_code == 200
+    assert httpx.get(proxy.url + location, headers=bob).status_code == 404
+    assert httpx.delete(proxy.url + location, headers=bob).status_code == 404
+    forged = {"Authorization": "Bearer not-a-token"}
+    assert httpx.get(proxy.url + location, headers=forged).status_code == 401
+    assert httpx.get(proxy.url + location).status_code == 401  # the route requires a token
+    operator = {"Authorization": "Bearer operator-secret"}
+    assert httpx.get(proxy.url + location, headers=operator).status_code == 200
+    wait_for(lambda: httpx.get(proxy.url + location, headers=alice).status_code == 303)
+    assert httpx.get(proxy.url + location + "/result", headers=alice).status_code == 200
+    assert httpx.get(proxy.url + location + "/result", headers=bob).status_code == 404
+
+
+# -- shutdown -----------------------------------------------------------------------------
+
+
+def test_a_shutdown_finishes_running_calls_and_leaves_queued_ones(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Any
+) -> None:
+    store = f"sqlite://{tmp_path}/state.db"
+    spec = long_route(tool.url, workers={"concurrency": 1})
+    first = make_proxy(spec, store=store)
+    running_key, queued_key = new_key(BODY, step=1), new_key(BODY, step=2)
+    running_at = post(first.url, key=running_key, query="?delay=1", **ASYNC).headers["location"]
+    wait_for(lambda: tool.arrived[running_key] == 1, what="the first call to reach the tool")
+    queued_at = post(first.url, key=queued_key, **ASYNC).headers["location"]
+    first.stop()  # graceful: the running call ends and is recorded; the queued one waits
+    assert tool.count(running_key) == 1 and tool.arrived[queued_key] == 0
+
+    second = make_proxy(spec, store=store)
+    assert httpx.get(second.url + running_at).status_code == 303
+    assert until(second.url, queued_at, "completed")["attempts"] == 1
+    assert tool.count(queued_key) == 1 and tool.count(running_key) == 1
