@@ -24,8 +24,8 @@ from proxy.errors import ConfigError
 from proxy.jobs import asked, preferences
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
-from tests.test_auth import auth_config
 from tests.servers import CountingTool, ThreadServer, running, wait_for
+from tests.test_auth import auth_config
 
 BODY = {"repo": "tool-proxy", "pr": 12}
 ASYNC = {"Prefer": "respond-async"}
