@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -145,7 +146,7 @@ def encode_request(request: StoredRequest) -> bytes:
         "scheme": scope["scheme"],
         "fingerprint": request.fingerprint,
         "identity": request.identity,
-        "ref": None if request.ref is None else request.ref.__dict__,
+        "ref": None if request.ref is None else dataclasses.asdict(request.ref),
     }
     return json.dumps(head, separators=(",", ":")).encode() + b"\n" + request.body
 

@@ -7,6 +7,7 @@ tests/test_jobs_replicas.py runs real ``tool-proxy serve`` processes on one Redi
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,11 +23,15 @@ from starlette.routing import Route
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError
+from proxy.job_events import Hub
 from proxy.jobs import asked, preferences
+from proxy.store import Job, JobState
+from proxy.store.memory import MemoryQueue
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
 from tests.test_auth import auth_config
+from tests.test_offload import S3, s3, s3_offload  # noqa: F401 (s3 is a fixture)
 
 BODY = {"repo": "tool-proxy", "pr": 12}
 ASYNC = {"Prefer": "respond-async"}
@@ -394,3 +400,56 @@ def test_a_shutdown_finishes_running_calls_and_leaves_queued_ones(
     assert httpx.get(second.url + running_at).status_code == 303
     assert until(second.url, queued_at, "completed")["attempts"] == 1
     assert tool.count(queued_key) == 1 and tool.count(running_key) == 1
+
+
+# -- large request bodies -----------------------------------------------------------------
+
+
+def test_a_large_request_body_waits_in_object_storage(
+    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+) -> None:
+    proxy = make_proxy(long_route(tool.url), offload=s3_offload(s3, threshold=1024))
+    big = {"diff": "x" * 50_000}
+    key = new_key(big)
+    location = post(proxy.url, big, key=key, **ASYNC).headers["location"]
+    until(proxy.url, location, "completed")
+    assert tool.requests[-1]["body"] == json.dumps(big).encode()  # sent whole
+    assert any(k.startswith("responses/tool/") for k in s3.keys())  # the request, kept there
+
+
+# -- one store read per operation, however many readers -----------------------------------
+
+
+class CountingQueue(MemoryQueue):
+    """A memory queue that counts the event reads (a unit test's stand-in for a store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    async def events(self, id: str, after: int) -> list[Job]:
+        self.reads += 1
+        return await super().events(id, after)
+
+
+@pytest.mark.anyio
+async def test_many_readers_of_one_operation_share_one_store_read_per_change() -> None:
+    queue = CountingQueue()
+    hub = Hub(queue, structlog.get_logger())
+    job = await queue.submit(
+        Job(id="op", route="r", principal="", slot="s", name="n", label="l", keep=60)
+    )
+    readers = [asyncio.create_task(_states(hub, job.id)) for _ in range(50)]
+    await asyncio.sleep(0.05)
+    await queue.take("r", "w", 30)
+    await queue.move("op", frozenset({JobState.QUEUED}), JobState.RUNNING, worker="w")
+    await asyncio.sleep(0.05)
+    await queue.move("op", frozenset({JobState.RUNNING}), JobState.COMPLETED, worker="w")
+    states = await asyncio.gather(*readers)
+    assert states == [["queued", "running", "completed"]] * 50
+    assert queue.reads <= 6  # once at the start and once per change (not 50 times each)
+    hub.close()
+
+
+async def _states(hub: Hub, id: str) -> list[str]:
+    return [event.state.value async for event in hub.follow(id, 0)]
