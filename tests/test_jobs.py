@@ -406,7 +406,9 @@ def test_a_shutdown_finishes_running_calls_and_leaves_queued_ones(
 
 
 def test_a_large_request_body_waits_in_object_storage(
-    tool: CountingTool, make_proxy: ProxyFactory, s3: S3
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    s3: S3,  # noqa: F811 (the fixture)
 ) -> None:
     proxy = make_proxy(long_route(tool.url), offload=s3_offload(s3, threshold=1024))
     big = {"diff": "x" * 50_000}
@@ -414,7 +416,8 @@ def test_a_large_request_body_waits_in_object_storage(
     location = post(proxy.url, big, key=key, **ASYNC).headers["location"]
     until(proxy.url, location, "completed")
     assert tool.requests[-1]["body"] == json.dumps(big).encode()  # sent whole
-    assert any(k.startswith("responses/tool/") for k in s3.keys())  # the request, kept there
+    objects = s3.keys()
+    assert any(k.startswith("responses/tool/") for k in objects)  # the request, kept there
 
 
 # -- one store read per operation, however many readers -----------------------------------
