@@ -8,7 +8,9 @@ clock, so there ``later`` sleeps (holds are a few hundred milliseconds).
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -16,6 +18,7 @@ from redis.crc import key_slot
 
 from proxy.store import Job, JobState, Queue, Store, make_queue
 from proxy.store.redis import _SWEEP_JOBS, GROUP, RedisStore, queue_key
+from proxy.store.sqlite import SQLiteStore
 from tests.conftest import Clock, Later, clocked_store
 
 pytestmark = pytest.mark.anyio
@@ -411,4 +414,25 @@ async def test_redis_changes_close_their_connection(redis_url: str) -> None:
         assert len(await raw.client_list()) == before
     finally:
         await raw.aclose()
+        await store.close()
+
+
+async def test_sqlite_sweeps_expired_jobs_and_their_events(tmp_path: Path, clock: Clock) -> None:
+    store = SQLiteStore(f"sqlite://{tmp_path}/state.db", clock)
+    await store.open()
+    try:
+        queue = store.queue()
+        assert queue is store.queue()
+        await queue.submit(job("brief", keep=1.0))
+        await queue.move("brief", QUEUED, JobState.CANCELLED)
+        await queue.submit(job("kept"))
+        clock.now += 2
+        await store.sweep()
+        db = sqlite3.connect(store.path)
+        try:
+            assert db.execute("SELECT id FROM jobs").fetchall() == [("kept",)]
+            assert db.execute("SELECT id, seq FROM job_events").fetchall() == [("kept", 1)]
+        finally:
+            db.close()
+    finally:
         await store.close()

@@ -702,19 +702,22 @@ class SQLiteQueue:
         self._store = store
         self._subscribers: set[asyncio.Queue[str]] = set()
 
-    async def _write(self, fn: Callable[..., Job | None], *args: Any) -> Job | None:
-        job: Job | None = await self._store._run(self._store._transaction, fn, *args)
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._store._run(self._store._transaction, fn, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._store._run(lambda: fn(self._store._conn(), self._store._clock(), *args))
+
+    def _tell(self, job: Job | None) -> Job | None:
+        """Tell this process's subscribers that ``job`` changed."""
         if job is not None:
             for subscriber in self._subscribers:
                 subscriber.put_nowait(job.id)
         return job
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._store._run(lambda: fn(self._store._conn(), self._store._clock(), *args))
-
     async def submit(self, job: Job) -> Job:
         submitted = await self._write(_submit_job, job)
-        assert submitted is not None
+        self._tell(submitted)
         return submitted
 
     async def get(self, id: str) -> Job | None:
@@ -724,12 +727,10 @@ class SQLiteQueue:
         return await self._read(_job_events, id, after)
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
-        return await self._store._run(
-            self._store._transaction, _take_job, route, worker, visibility
-        )
+        return await self._write(_take_job, route, worker, visibility)
 
     async def hold(self, id: str, worker: str, visibility: float) -> bool:
-        return await self._store._run(self._store._transaction, _hold_job, id, worker, visibility)
+        return await self._write(_hold_job, id, worker, visibility)
 
     async def move(
         self,
@@ -743,7 +744,8 @@ class SQLiteQueue:
         error: bytes | None = None,
         due: float = 0.0,
     ) -> Job | None:
-        return await self._write(_move_job, id, expect, state, worker, attempts, sent, error, due)
+        args = (id, expect, state, worker, attempts, sent, error, due)
+        return self._tell(await self._write(_move_job, *args))
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
         return await self._read(_list_jobs, state, cursor, count)
