@@ -14,6 +14,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -761,26 +762,9 @@ class SQLiteQueue:
 
 
 def _job(row: tuple[Any, ...]) -> Job:
-    id, route, principal, slot, name, label, request, keep, state, attempts, sent, *rest = row
-    error, created_at, updated_at, due, seq = rest
-    return Job(
-        id,
-        route,
-        principal,
-        slot,
-        name,
-        label,
-        bytes(request),
-        keep,
-        JobState(state),
-        attempts,
-        bool(sent),
-        bytes(error),
-        created_at,
-        updated_at,
-        due,
-        seq,
-    )
+    """A job from its columns (``_JOB``'s order); BLOBs come as bytes."""
+    job = Job(*row)
+    return replace(job, state=JobState(job.state), sent=bool(job.sent))
 
 
 def _event(db: sqlite3.Connection, job: Job) -> Job:
@@ -846,23 +830,16 @@ def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list
         (id, after),
     ).fetchall()
     return [
-        Job(
-            job.id,
-            job.route,
-            job.principal,
-            job.slot,
-            job.name,
-            job.label,
-            b"",
-            job.keep,
-            JobState(state),
-            attempts,
-            bool(sent),
-            bytes(error),
-            job.created_at,
-            updated_at,
-            due,
-            seq,
+        replace(
+            job,
+            request=b"",
+            state=JobState(state),
+            attempts=attempts,
+            sent=bool(sent),
+            error=error,
+            updated_at=updated_at,
+            due=due,
+            seq=seq,
         )
         for seq, state, attempts, sent, error, updated_at, due in rows
     ]
