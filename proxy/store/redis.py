@@ -1061,7 +1061,8 @@ class RedisQueue:
     entry is pending for its worker (the consumer); ``hold`` resets its idle time
     (XCLAIM JUSTID) and ``take`` takes over entries idle for ``visibility`` (XAUTOCLAIM):
     the job's ``hu`` decides whether a hold lapsed. A move back to QUEUED or to an end
-    drops the entry (XACK, XDEL).
+    drops the entry (XACK, XDEL). Needs Redis 6.2 or later (XAUTOCLAIM, ZRANGE BYSCORE
+    and BYLEX, exclusive XRANGE).
     """
 
     def __init__(self, store: RedisStore) -> None:
