@@ -8,14 +8,18 @@ clock, so there ``later`` sleeps (holds are a few hundred milliseconds).
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from proxy.store import Job, JobState, Queue, Store, make_queue
+from proxy.store import redis as redis_store
 from proxy.store.redis import _SWEEP_JOBS, GROUP, RedisStore, queue_key
+from proxy.store.sqlite import SQLiteStore
 from tests.conftest import Clock, Later, clocked_store
 
 pytestmark = pytest.mark.anyio
@@ -411,4 +415,52 @@ async def test_redis_changes_close_their_connection(redis_url: str) -> None:
         assert len(await raw.client_list()) == before
     finally:
         await raw.aclose()
+        await store.close()
+
+
+async def test_sqlite_sweeps_expired_jobs_and_their_events(tmp_path: Path, clock: Clock) -> None:
+    store = SQLiteStore(f"sqlite://{tmp_path}/state.db", clock)
+    await store.open()
+    try:
+        queue = store.queue()
+        assert queue is store.queue()
+        await queue.submit(job("brief", keep=1.0))
+        await queue.move("brief", QUEUED, JobState.CANCELLED)
+        await queue.submit(job("kept"))
+        clock.now += 2
+        await store.sweep()
+        db = sqlite3.connect(store.path)
+        try:
+            assert db.execute("SELECT id FROM jobs").fetchall() == [("kept",)]
+            assert db.execute("SELECT id, seq FROM job_events").fetchall() == [("kept", 1)]
+        finally:
+            db.close()
+    finally:
+        await store.close()
+
+
+async def test_redis_writes_sent_again_answer_as_the_first_time(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Coalescer sends a round trip again after a connection error: a script that
+    finds its own token applied answers as it did, and does nothing twice."""
+    store = RedisStore(redis_url)
+    try:
+        queue = store.queue()
+        monkeypatch.setattr(redis_store, "_token", lambda: "once")
+        first = await queue.submit(job())
+        assert await queue.submit(job()) == first
+        taken = await queue.take("slow", "w1", VISIBILITY)
+        assert taken is not None and await queue.take("slow", "w1", VISIBILITY) == taken
+        monkeypatch.setattr(redis_store, "_token", lambda: "twice")
+        running = await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
+        assert running is not None and running.seq == 2
+        again = await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
+        assert again == running
+        assert [e.seq for e in await queue.events("job-1", 0)] == [1, 2]
+        monkeypatch.setattr(redis_store, "_token", lambda: "other")
+        assert await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1") is None
+        with pytest.raises(ValueError, match="job-1"):
+            await queue.submit(job())
+    finally:
         await store.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -854,13 +855,14 @@ end
 """
 )
 
-# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms). Drops a
-# few expired jobs from the indexes on the way: each job is submitted once, so the
-# indexes hold about the live jobs.
+# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms), token.
+# Drops a few expired jobs from the indexes on the way: each job is submitted once, so
+# the indexes hold about the live jobs.
 _SUBMIT = (
     _QUEUE_LIB
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local tk = redis.call('HGET', KEYS[1], 'tk')
+if tk then return tk == ARGV[9] and redis.call('HMGET', KEYS[1], unpack(FIELDS)) end
 local gone = redis.call('ZRANGE', Q .. 'exp', '-inf', now, 'BYSCORE', 'LIMIT', 0, 16)
 if #gone > 0 then
   redis.call('ZREM', Q .. 'ids', unpack(gone))
@@ -870,20 +872,25 @@ redis.call('DEL', Q .. 'ev:' .. ARGV[1])
 redis.call('HSET', KEYS[1], 'id', ARGV[1], 'rt', ARGV[2], 'pr', ARGV[3], 'sl', ARGV[4],
   'nm', ARGV[5], 'lb', ARGV[6], 'rq', ARGV[7], 'kp', ARGV[8], 'st', 'queued', 'at', 0,
   'sn', 0, 'er', '', 'ct', now, 'ut', now, 'du', now, 'sq', 1, 'ho', '', 'hu', 0,
-  'en', enqueue(ARGV[2], ARGV[1]))
+  'en', enqueue(ARGV[2], ARGV[1]), 'tk', ARGV[9])
 redis.call('ZADD', Q .. 'ids', 0, ARGV[1])
 redis.call('SADD', Q .. 'routes', ARGV[2])
 return changed(ARGV[1])
 """
 )
 
-# KEYS: the route's stream. ARGV: route, worker, visibility (ms). Due retries go into the
-# stream first; then a new entry (XREADGROUP), else one whose hold lapsed (XAUTOCLAIM).
-# Entries whose job ended, expired or was queued again under another entry are dropped.
+# KEYS: the route's stream. ARGV: route, worker, visibility (ms), token. Due retries go
+# into the stream first; then a new entry (XREADGROUP), else one whose hold lapsed
+# (XAUTOCLAIM). Entries whose job ended, expired or was queued again under another entry
+# are dropped.
 _TAKE_JOB = (
     _QUEUE_LIB
     + """
 local route, worker, vis, stream = ARGV[1], ARGV[2], tonumber(ARGV[3]), KEYS[1]
+local took = redis.call('GET', Q .. 'took:' .. ARGV[4])
+if took and redis.call('HGET', Q .. 'job:' .. took, 'ho') == worker then
+  return redis.call('HMGET', Q .. 'job:' .. took, unpack(FIELDS))
+end
 local due = Q .. 'due:' .. route
 for _, id in ipairs(redis.call('ZRANGE', due, '-inf', now, 'BYSCORE', 'LIMIT', 0, 100)) do
   redis.call('ZREM', due, id)
@@ -902,6 +909,7 @@ local function hand(entry, new)
   end
   if tonumber(r[3]) > now then return nil end -- held for longer than this visibility
   redis.call('HSET', job, 'ho', worker, 'hu', now + vis)
+  redis.call('SET', Q .. 'took:' .. ARGV[4], entry[2][2], 'PX', vis)
   return redis.call('HMGET', job, unpack(FIELDS))
 end
 for _ = 1, 100 do
@@ -941,15 +949,16 @@ return 1
 )
 
 # KEYS: job. ARGV: expected states (",queued,running,"), state, worker ('' for any),
-# due (ms from now), then the fields to set (name, value, ...). The job, or nil.
+# due (ms from now), token, then the fields to set (name, value, ...). The job, or nil.
 _MOVE_JOB = (
     _QUEUE_LIB
     + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt', 'id', 'sq')
+local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt', 'id', 'sq', 'tk')
+if r[8] == ARGV[5] then return redis.call('HMGET', KEYS[1], unpack(FIELDS)) end
 if not r[1] or not string.find(ARGV[1], ',' .. r[1] .. ',', 1, true) then return false end
 if ARGV[3] ~= '' and (r[2] ~= ARGV[3] or tonumber(r[3]) <= now) then return false end
-local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1}
-for i = 5, #ARGV do table.insert(set, ARGV[i]) end
+local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1, 'tk', ARGV[5]}
+for i = 6, #ARGV do table.insert(set, ARGV[i]) end
 if state ~= 'running' then
   unqueue(r[5], r[6], r[4])
   local entry, due = '', now + tonumber(ARGV[4])
@@ -1036,7 +1045,9 @@ class RedisQueue:
     hash tag ``{ops}``::
 
         tp:{ops}:job:<id>    hash: the job (``_JOB_FIELDS``; ms times), its holder (ho),
-                             hold's end (hu, ms) and stream entry (en, '' if none)
+                             hold's end (hu, ms), stream entry (en, '' if none) and the
+                             token of its last write (tk)
+        tp:{ops}:took:<tk>   string: the id a take (its token) handed out, for its hold
         tp:{ops}:ev:<id>     stream: its events, entry 0-<seq> (``_EVENT_FIELDS``)
         tp:{ops}:q:<route>   stream: queued jobs (field id), read by the group 'workers'
         tp:{ops}:due:<route> sorted set: jobs queued again, scored by when due (ms)
@@ -1050,7 +1061,8 @@ class RedisQueue:
     entry is pending for its worker (the consumer); ``hold`` resets its idle time
     (XCLAIM JUSTID) and ``take`` takes over entries idle for ``visibility`` (XAUTOCLAIM):
     the job's ``hu`` decides whether a hold lapsed. A move back to QUEUED or to an end
-    drops the entry (XACK, XDEL).
+    drops the entry (XACK, XDEL). Needs Redis 6.2 or later (XAUTOCLAIM, ZRANGE BYSCORE
+    and BYLEX, exclusive XRANGE).
     """
 
     def __init__(self, store: RedisStore) -> None:
@@ -1058,7 +1070,8 @@ class RedisQueue:
 
     async def submit(self, job: Job) -> Job:
         args = (job.id, job.route, job.principal, job.slot, job.name, job.label, job.request)
-        reply = await self._store._script(_SUBMIT, [queue_key("job", job.id)], *args, _ms(job.keep))
+        keys = [queue_key("job", job.id)]
+        reply = await self._store._script(_SUBMIT, keys, *args, _ms(job.keep), _token())
         if reply is None:
             raise ValueError(f"job {job.id} exists")
         return _job(reply)
@@ -1086,7 +1099,8 @@ class RedisQueue:
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
         keys = [queue_key("q", route)]
-        reply = await self._store._script(_TAKE_JOB, keys, route, worker, _ms(visibility))
+        args = (route, worker, _ms(visibility), _token())
+        reply = await self._store._script(_TAKE_JOB, keys, *args)
         return None if reply is None else _job(reply)
 
     async def hold(self, id: str, worker: str, visibility: float) -> bool:
@@ -1113,7 +1127,7 @@ class RedisQueue:
         if error is not None:
             fields += ["er", error]
         expected = "," + ",".join(s.value for s in expect) + ","
-        args = (expected, state.value, worker or "", max(int(due * 1000), 0), *fields)
+        args = (expected, state.value, worker or "", max(int(due * 1000), 0), _token(), *fields)
         reply = await self._store._script(_MOVE_JOB, [queue_key("job", id)], *args)
         return None if reply is None else _job(reply)
 
@@ -1141,6 +1155,12 @@ class RedisQueue:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
         finally:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _token() -> str:
+    """A write's own token: the Coalescer sends a round trip again after a connection
+    error, and a script that finds its token already applied answers as it did."""
+    return secrets.token_hex(8)
 
 
 def _job(fields: list[Any]) -> Job:

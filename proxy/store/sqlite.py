@@ -14,6 +14,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -702,19 +703,22 @@ class SQLiteQueue:
         self._store = store
         self._subscribers: set[asyncio.Queue[str]] = set()
 
-    async def _write(self, fn: Callable[..., Job | None], *args: Any) -> Job | None:
-        job: Job | None = await self._store._run(self._store._transaction, fn, *args)
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._store._run(self._store._transaction, fn, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._store._run(lambda: fn(self._store._conn(), self._store._clock(), *args))
+
+    def _tell(self, job: Job | None) -> Job | None:
+        """Tell this process's subscribers that ``job`` changed."""
         if job is not None:
             for subscriber in self._subscribers:
                 subscriber.put_nowait(job.id)
         return job
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._store._run(lambda: fn(self._store._conn(), self._store._clock(), *args))
-
     async def submit(self, job: Job) -> Job:
         submitted = await self._write(_submit_job, job)
-        assert submitted is not None
+        self._tell(submitted)
         return submitted
 
     async def get(self, id: str) -> Job | None:
@@ -724,12 +728,10 @@ class SQLiteQueue:
         return await self._read(_job_events, id, after)
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
-        return await self._store._run(
-            self._store._transaction, _take_job, route, worker, visibility
-        )
+        return await self._write(_take_job, route, worker, visibility)
 
     async def hold(self, id: str, worker: str, visibility: float) -> bool:
-        return await self._store._run(self._store._transaction, _hold_job, id, worker, visibility)
+        return await self._write(_hold_job, id, worker, visibility)
 
     async def move(
         self,
@@ -743,7 +745,8 @@ class SQLiteQueue:
         error: bytes | None = None,
         due: float = 0.0,
     ) -> Job | None:
-        return await self._write(_move_job, id, expect, state, worker, attempts, sent, error, due)
+        args = (id, expect, state, worker, attempts, sent, error, due)
+        return self._tell(await self._write(_move_job, *args))
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
         return await self._read(_list_jobs, state, cursor, count)
@@ -759,26 +762,9 @@ class SQLiteQueue:
 
 
 def _job(row: tuple[Any, ...]) -> Job:
-    id, route, principal, slot, name, label, request, keep, state, attempts, sent, *rest = row
-    error, created_at, updated_at, due, seq = rest
-    return Job(
-        id,
-        route,
-        principal,
-        slot,
-        name,
-        label,
-        bytes(request),
-        keep,
-        JobState(state),
-        attempts,
-        bool(sent),
-        bytes(error),
-        created_at,
-        updated_at,
-        due,
-        seq,
-    )
+    """A job from its columns (``_JOB``'s order); BLOBs come as bytes."""
+    job = Job(*row)
+    return replace(job, state=JobState(job.state), sent=bool(job.sent))
 
 
 def _event(db: sqlite3.Connection, job: Job) -> Job:
@@ -844,23 +830,16 @@ def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list
         (id, after),
     ).fetchall()
     return [
-        Job(
-            job.id,
-            job.route,
-            job.principal,
-            job.slot,
-            job.name,
-            job.label,
-            b"",
-            job.keep,
-            JobState(state),
-            attempts,
-            bool(sent),
-            bytes(error),
-            job.created_at,
-            updated_at,
-            due,
-            seq,
+        replace(
+            job,
+            request=b"",
+            state=JobState(state),
+            attempts=attempts,
+            sent=bool(sent),
+            error=error,
+            updated_at=updated_at,
+            due=due,
+            seq=seq,
         )
         for seq, state, attempts, sent, error, updated_at, due in rows
     ]
