@@ -109,7 +109,8 @@ class Metrics:
             "Response cache decisions, by route and decision: hit, collapsed (a miss that "
             "got the answer of an identical call in flight), stored, uncacheable (passed on, "
             "not stored), bypass (the request said no-store, or its body has no digest), "
-            "waited_out (called the tool itself after cache.wait), store_down.",
+            "waited_out (called the tool itself after cache.wait), not_kept (the body was not "
+            "read whole, or was too large), store_down.",
             ["route", "decision"],
             registry=self.registry,
         )

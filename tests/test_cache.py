@@ -25,7 +25,7 @@ from proxy.policies.cache import decode_entry, directives, encode_entry
 from proxy.store.memory import MemoryStore
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
-from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer
+from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
 from tests.test_auth import auth_config
 from tests.test_offload import BUCKET, S3, expected, s3_offload
 
@@ -314,7 +314,7 @@ def test_waiters_call_the_tool_themselves_past_wait(
     proxy = make_proxy(cached(tool.url, wait="100ms"))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         first = pool.submit(ask, proxy.url, "?delay=0.6")
-        time.sleep(0.1)  # the first one holds the fill lock
+        wait_for(lambda: tool.in_flight == 1, what="the first call at the tool")
         started = time.monotonic()
         second = ask(proxy.url, "?delay=0.6")
         assert time.monotonic() - started < 1.1  # its own call, not after the first's

@@ -139,13 +139,15 @@ class Cached(UpstreamResponse):
             yield chunk
 
 
-Kept = Callable[[bytes | Spool | None], None]
-"""Called once the answer's body has been read: the body (None: not whole, or too large)."""
+Kept = Callable[[bytes | Spool | None], asyncio.Task[None] | None]
+"""Called once the answer's body has been read: the body (None: not whole, or too large);
+gives the task that stores it, if any."""
 
 
 class Filling(UpstreamResponse):
     """A cacheable answer on its way to the caller, kept (up to ``limit`` bytes, in a
-    spool: memory, then a file) as it is read; ``kept`` is called at its end."""
+    spool: memory, then a file) as it is read. Its end (the last chunk) reaches the caller
+    once it is stored: the same request sent right after it is a hit."""
 
     def __init__(self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept) -> None:
         super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
@@ -154,35 +156,45 @@ class Filling(UpstreamResponse):
         self._spool = spool
         self._kept: Kept | None = kept
 
-    def _end(self, body: bytes | Spool | None) -> None:
+    def _end(self, body: bytes | Spool | None) -> asyncio.Task[None] | None:
         kept, self._kept = self._kept, None
         if kept is not None:
-            kept(body)
-        elif isinstance(body, Spool):
+            return kept(body)
+        if isinstance(body, Spool):
             body.close()
+        return None
 
     async def read(self) -> bytes:
         body = None
         try:
             body = await self._upstream.read()
-            return body
         finally:
-            self._end(body if body is not None and len(body) <= self._limit else None)
+            storing = self._end(body if body is not None and len(body) <= self._limit else None)
+        if storing is not None:
+            await asyncio.wait({storing})  # its errors are its own; it outlives a cancel
+        return body
 
     async def stream(self) -> AsyncIterator[bytes]:
         spool: Spool | None = Spool(self._spool)
+        held: bytes | None = None
         whole = False
         try:
             async for chunk in self._upstream.stream():
+                if held is not None:
+                    yield held
                 if spool is not None:
                     spool = self._write(spool, chunk)
-                yield chunk
+                held = chunk
             whole = True
         finally:
             if spool is not None and not whole:
                 spool.close()
                 spool = None
-            self._end(spool)
+            storing = self._end(spool)
+        if storing is not None:
+            await asyncio.wait({storing})
+        if held is not None:
+            yield held
 
     def _write(self, spool: Spool, chunk: bytes) -> Spool | None:
         """The spool with ``chunk``; None (closed) once it is too large or fails."""
@@ -426,13 +438,13 @@ class Cache:
         vary: RawHeaders,
         ttl: float,
         body: bytes | Spool | None,
-    ) -> None:
+    ) -> asyncio.Task[None] | None:
         if body is None:
             self.metrics.cache_decision(self.route, "not_kept")
             if owner:
                 self._give_up(key, owner)
-            return
-        self.tasks.spawn(self._put(key, owner, upstream, vary, ttl, body))
+            return None
+        return self.tasks.spawn(self._put(key, owner, upstream, vary, ttl, body))
 
     async def _put(
         self,
@@ -460,8 +472,8 @@ class Cache:
         finally:
             if isinstance(body, Spool):
                 body.close()
-            if owner:
-                await self._free(key, owner)
+            if owner:  # its waiters read the entry: the caller need not wait for this
+                self._unlock(key, owner)
 
     def _give_up(self, key: str, owner: str) -> None:
         """The fill ends without an answer to store: mark it, so that its waiters call the
