@@ -7,6 +7,7 @@ serve`` processes sharing a real Redis for what replicas share.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import time
@@ -16,12 +17,18 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 
 from proxy.app import create_app
+from proxy.asgi import Incoming
+from proxy.background import TaskSet
 from proxy.config import parse_config
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, OutcomeUnknown, StoreUnavailable
+from proxy.forwarding import UpstreamResponse
+from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
-from proxy.policies.cache import decode_entry, directives, encode_entry
+from proxy.policies import Context
+from proxy.policies.cache import Cache, decode_entry, directives, encode_entry
 from proxy.store.memory import MemoryStore
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
@@ -421,3 +428,80 @@ def test_ten_identical_misses_across_replicas_make_one_call_and_other_callers_mi
     other = ask(two_proxies[1].url, "?delay=0.5", headers=bob)
     assert cache_status(other) == STORED and other.json()["execution"] == 2
     assert tool.total == 2
+
+
+# -- failures (units: a store that fails, an answer that breaks) ------------------------------
+
+
+class Answer(UpstreamResponse):
+    """A tool's answer without a connection; ``broken``: its body never arrives whole."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__(200, [(b"content-type", b"application/json")], 11, None)  # type: ignore[arg-type]
+        self.broken = broken
+
+    async def read(self) -> bytes:
+        if self.broken:
+            raise OutcomeUnknown("the connection broke mid-body")
+        return b'{"ok":true}'
+
+
+class DownStore(MemoryStore):
+    async def get_value(self, key: str) -> bytes | None:
+        raise StoreUnavailable("redis store: ConnectionError")
+
+
+ROUTE = parse_config({"routes": [cached("http://h")]}, env={}).routes[0]
+
+
+def policy(store: MemoryStore) -> tuple[Cache, TaskSet]:
+    tasks = TaskSet()
+    return Cache(ROUTE, store, Metrics(), tasks, structlog.get_logger()), tasks
+
+
+def context_of() -> Context:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/tools/infer",
+        "raw_path": b"/tools/infer",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    request = Incoming.of(scope, None)  # type: ignore[arg-type]
+    return Context(ROUTE, request, json.dumps(BODY).encode())
+
+
+def test_the_cache_fails_open_when_the_store_is_down() -> None:
+    async def run() -> tuple[bytes, Context]:
+        cache, _ = policy(DownStore())
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        return await (await cache.wrap(context, forward)()).read(), context
+
+    body, context = asyncio.run(run())
+    assert body == b'{"ok":true}'
+    assert context.headers == [(b"cache-status", b"tool-proxy; fwd=miss; detail=store-unavailable")]
+
+
+def test_an_answer_that_breaks_is_not_stored_and_frees_its_waiters_at_once() -> None:
+    async def run() -> tuple[bytes | None, bool]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer(broken=True)
+
+        upstream = await cache.wrap(context, forward)()
+        with pytest.raises(OutcomeUnknown):
+            await upstream.read()
+        await tasks.drain(1)
+        key = cache.key(context)
+        return await store.get_value(key), await store.acquire(key, "another", 1)
+
+    value, free = asyncio.run(run())
+    assert value == b"uncacheable" and free  # waiters call the tool themselves, now
