@@ -496,8 +496,8 @@ class CacheConfig(_Strict):
     methods: tuple[str, ...] = DEFAULT_CACHE_METHODS
     statuses: tuple[int, ...] = DEFAULT_CACHE_STATUSES
     wait: Wait | None = None
-    """How long identical misses wait for the one call to the tool; None: the route's
-    timeout. Past it, a waiter calls the tool itself."""
+    """How long identical misses wait for the one call to the tool; None: as long as that
+    call can take (``RouteConfig.cache_wait``). Past it, a waiter calls the tool itself."""
     max_bytes: int = Field(default=DEFAULT_CACHE_MAX_BYTES, ge=0)
 
     @field_validator("methods")
@@ -648,10 +648,13 @@ class RouteConfig(_Strict):
         return self
 
     def cache_wait(self) -> float:
-        """The longest a cache miss waits for an identical call's answer."""
+        """The longest a cache miss waits for an identical call's answer: by default as
+        long as that call can take (the send, and the waits of limits and resources)."""
         if self.cache is None:
             return 0.0
-        return self.timeout if self.cache.wait is None else self.cache.wait
+        if self.cache.wait is not None:
+            return self.cache.wait
+        return self.timeout + self.limit_wait + self.resource_wait()
 
     @field_validator("limits")
     @classmethod

@@ -33,8 +33,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from proxy.asgi import RawHeaders
+from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS
 from proxy.background import TaskSet
-from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, TokenMode
 from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
@@ -119,9 +120,8 @@ def decode_entry(value: bytes) -> tuple[float, RawHeaders, StoredResponse]:
 class Cached(UpstreamResponse):
     """A stored answer, served as if the tool had just sent it."""
 
-    def __init__(self, stored: StoredResponse, body: bytes | AsyncIterator[bytes], age: int):
+    def __init__(self, stored: StoredResponse, body: bytes | AsyncIterator[bytes]) -> None:
         headers = [(k, v) for k, v in stored.headers if k.lower() not in _NOT_KEPT]
-        headers.append((b"age", str(age).encode()))
         size = len(body) if isinstance(body, bytes) else (stored.ref.size if stored.ref else None)
         super().__init__(stored.status, headers, size, None)  # type: ignore[arg-type]
         self._body = body
@@ -238,7 +238,7 @@ class Cache:
         self.per_principal = config.scope is CacheScope.PRINCIPAL
         self.wait = route.cache_wait()
         self.max_bytes = min(config.max_bytes, store.max_payload_bytes)
-        self.fill_ttl = route.timeout + FILL_MARGIN_SECONDS
+        self.fill_ttl = fill_seconds(route)
         self.max_depth = max_json_depth
         idempotency = route.idempotency
         self.canonicalization = (
@@ -358,7 +358,8 @@ class Cache:
         else:
             self.metrics.cache_decision(self.route, "hit")
             context.headers.append((HEADER, HIT))
-        return Cached(stored, body, age)
+        context.headers.append((b"age", str(age).encode()))  # the caller's, never recorded
+        return Cached(stored, body)
 
     async def _store_down(
         self, context: Context, forward: Forward, exc: StoreUnavailable
@@ -498,6 +499,16 @@ class Cache:
             await self.store.unlock(key, owner)
         except StoreUnavailable as exc:  # it lapses after fill_ttl
             self.log.warning("cache_unlock_failed", route=self.route, error=exc.detail)
+
+
+def fill_seconds(route: RouteConfig) -> float:
+    """The fill lock's lease: the longest the one call can take (its sends, token fetches,
+    the waits of the policies inside the cache), and FILL_MARGIN_SECONDS to store it."""
+    token = route.token
+    sends = 2 if token is not None and token.retry_on_401 else 1
+    fetches = token is not None and token.mode is not TokenMode.PASSTHROUGH
+    seconds = (route.timeout + (TOKEN_TIMEOUT_SECONDS if fetches else 0.0)) * sends
+    return seconds + route.limit_wait + route.resource_wait() + FILL_MARGIN_SECONDS
 
 
 def _vary(headers: RawHeaders) -> list[bytes]:
