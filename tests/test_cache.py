@@ -34,6 +34,7 @@ from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
 from tests.test_auth import auth_config
+from tests.test_cli import cli, write
 from tests.test_offload import BUCKET, S3, expected, s3_offload
 
 BODY = {"prompt": "summarise", "doc": 7}
@@ -128,6 +129,14 @@ def test_cache_keys_are_checked_each_naming_its_field() -> None:
     cache = good.routes[0].cache
     assert cache is not None and cache.ttl == 3600 and cache.methods == ("POST",)
     assert cache.statuses == (200, 203, 204) and good.routes[0].cache_wait() == 10.0
+
+
+def test_check_config_names_the_cache_fields(tmp_path: Path) -> None:
+    bad = cached("http://h", ttl="soon", statuses=[201])
+    result = cli("check-config", write(tmp_path, {"routes": [bad]}))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "routes[0].cache.ttl: not a duration" in result.stderr
+    assert "routes[0].cache.statuses: 201 is not safe to reuse" in result.stderr
 
 
 # -- units ----------------------------------------------------------------------------------
