@@ -298,27 +298,17 @@ class Cache:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait
         pause = FIRST_POLL_SECONDS
+        owner = next(self._owners)
         waited = False
-        owner = ""
         while True:
             try:
-                value = await self.store.get_value(key)
-                if value is None:
-                    owner = owner or next(self._owners)
-                    if await self.store.acquire(key, owner, self.fill_ttl):
-                        value = await self.store.get_value(key)  # filled since the first read?
-                        if value is None:
-                            return await self._fill(context, key, forward, owner)
-                        self._unlock(key, owner)
+                value, filling = await self._read(key, owner)
             except StoreUnavailable as exc:
                 return await self._store_down(context, forward, exc)
-            if value == _MARK:
-                return await self._forward(context, key, forward, b"miss")
+            if filling:
+                return await self._fill(context, key, forward, owner)
             if value is not None:
-                found = await self._hit(context, key, value, max_age, waited)
-                if isinstance(found, UpstreamResponse):
-                    return found
-                return await self._forward(context, key, forward, found)
+                return await self._answer(context, key, forward, value, max_age, waited)
             left = deadline - loop.time()
             if left <= 0:
                 self.metrics.cache_decision(self.route, "waited_out")
@@ -328,8 +318,37 @@ class Cache:
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, MAX_POLL_SECONDS)
 
+    async def _read(self, key: str, owner: str) -> tuple[bytes | None, bool]:
+        """The entry (or mark); else None, and True if this call now holds the fill lock
+        (False: another call holds it, on some replica)."""
+        value = await self.store.get_value(key)
+        if value is not None or not await self.store.acquire(key, owner, self.fill_ttl):
+            return value, False
+        value = await self.store.get_value(key)  # filled between the first read and the lock?
+        if value is None:
+            return None, True
+        self._unlock(key, owner)
+        return value, False
+
+    async def _answer(
+        self,
+        context: Context,
+        key: str,
+        forward: Forward,
+        value: bytes,
+        max_age: int | None,
+        waited: bool,
+    ) -> UpstreamResponse:
+        """The stored answer; or, for a mark or an entry this request cannot take, a call."""
+        if value == _MARK:
+            return await self._forward(context, key, forward, b"miss")
+        found = await self._hit(context, value, max_age, waited)
+        if isinstance(found, UpstreamResponse):
+            return found
+        return await self._forward(context, key, forward, found)
+
     async def _hit(
-        self, context: Context, key: str, value: bytes, max_age: int | None, collapsed: bool
+        self, context: Context, value: bytes, max_age: int | None, collapsed: bool
     ) -> UpstreamResponse | bytes:
         """The stored answer as a response; else the RFC 9211 fwd value of why not."""
         try:
@@ -341,7 +360,7 @@ class Cache:
         if max_age is not None and age > max_age:
             return b"request"
         headers = context.request.scope["headers"]
-        if any(_field(headers, name) != value.decode("latin-1") for name, value in vary):
+        if any(_field(headers, name) != wanted.decode("latin-1") for name, wanted in vary):
             return b"vary-miss"
         body: bytes | AsyncIterator[bytes] = stored.body
         if stored.ref is not None:
