@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from proxy import logs
-from proxy.admin import record_routes
+from proxy.admin import AdminAuth, record_routes
 from proxy.asgi import Incoming, Reply
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
@@ -43,11 +43,14 @@ from proxy.errors import (
 )
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
+from proxy.job_events import Hub
+from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
 from proxy.mcp import McpView
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
+from proxy.operations import operation_routes
 from proxy.policies import Chain, Context, Forward, build_chain
 from proxy.problems import (
     handle_http_exception,
@@ -57,7 +60,7 @@ from proxy.problems import (
 )
 from proxy.reconcile import Lookup
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
-from proxy.store import Store, make_store
+from proxy.store import Queue, Store, make_queue, make_store
 
 # The proxy's own endpoints live under this path; nothing under it is forwarded.
 ADMIN_PREFIX = RESERVED_PREFIX + "/"
@@ -187,6 +190,27 @@ class Proxy:
             for r in config.routes
             if r.protocol is RouteProtocol.MCP
         }
+        self.jobs: dict[str, RouteJobs] = {}
+        self.hub: Hub | None = None
+        self.queue: Queue | None = None
+        if any(r.runs_jobs() for r in config.routes):
+            self.queue = queue = make_queue(store)
+            self.hub = Hub(queue, self.log)
+            self.jobs = {
+                r.name: RouteJobs(
+                    r,
+                    self.guards[r.name],
+                    queue,
+                    store,
+                    self.hub,
+                    self.forwarder,
+                    self.offload,
+                    tasks,
+                    self.log,
+                )
+                for r in config.routes
+                if r.runs_jobs()
+            }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -265,18 +289,17 @@ class Proxy:
                 _target(scope),
                 max_depth=self.max_json_depth,
             )
-        once = op is not None  # a guarded call is never sent twice
-
-        def forward() -> Awaitable[UpstreamResponse]:
-            if tokened:
-                return self._forward_with_token(request, route, body, identity, once)
-            return self._send(request, route, body, at_most_once=once)
-
-        send: Forward = forward
-        context: Context | None = None
-        if chain is not None:  # the route's policies, around the send (after a claim)
-            context = Context(route, request, body, principal)
-            send = chain.wrap(context, forward)
+        if op is not None and route.name in self.jobs:  # a long call: 202, then workers
+            how = asked(route.async_, prefer(scope))  # type: ignore[arg-type]
+            if how is not None:
+                trace.key = op.label
+                answer = await self.jobs[route.name].submit(
+                    op, request, body, principal, identity, how
+                )
+                if answer is not None:
+                    trace.outcome = Outcome.ACCEPTED
+                    return answer
+        send, context = self._forward(request, route, body, principal, identity, op is not None)
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
             response = await self._relay(request, await send())
@@ -285,6 +308,36 @@ class Proxy:
             lookup = None if route.reconcile is None else self._lookup(request, route, identity)
             response, trace.outcome = await guard.run(op, send, lookup)
         return response if context is None else Chain.decorate(context, response)
+
+    def _forward(
+        self,
+        request: Incoming,
+        route: RouteConfig,
+        body: bytes,
+        principal: str,
+        identity: str,
+        once: bool,
+    ) -> tuple[Forward, Context | None]:
+        """The send of a request whose body is read: with the route's downstream token,
+        inside its policies (the context they share), never twice if ``once``."""
+        tokened = self.tokens is not None and self.tokens.applies(route.name)
+
+        def forward() -> Awaitable[UpstreamResponse]:
+            if tokened:
+                return self._forward_with_token(request, route, body, identity, once)
+            return self._send(request, route, body, at_most_once=once)
+
+        chain = self.chains.get(route.name)
+        if chain is None:
+            return forward, None
+        context = Context(route, request, body, principal)  # around the send (after a claim)
+        return chain.wrap(context, forward), context
+
+    def forwarder(
+        self, request: Incoming, route: RouteConfig, body: bytes, principal: str, identity: str
+    ) -> Forward:
+        """A job's send (``jobs.Forwarder``): a guarded call's, as if it came now."""
+        return self._forward(request, route, body, principal, identity, True)[0]
 
     def _lookup(self, request: Incoming, route: RouteConfig, identity: str) -> Lookup:
         """The route's reconcile look-up for this caller: its Idempotency-Key and its
@@ -551,6 +604,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             journaling = asyncio.create_task(proxy.journal.run_forever())
         if proxy.offload is not None and proxy.offload.sweeps:
             chores.append(asyncio.create_task(_sweep_objects_forever(proxy.offload, proxy.log)))
+        for jobs in proxy.jobs.values():
+            jobs.start()
         gc.collect()
         gc.freeze()  # start-up objects leave the collector's view: shorter pauses (p99)
         proxy.log.info(
@@ -563,6 +618,10 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
         finally:
             for chore in chores:
                 chore.cancel()
+            # workers take no more jobs; running ones finish (queued ones stay queued)
+            await asyncio.gather(*(jobs.stop(drain_seconds) for jobs in proxy.jobs.values()))
+            if proxy.hub is not None:
+                proxy.hub.close()
             # uvicorn has waited for the requests, and cancelled those still running: their
             # calls conclude now (a cancelled one records FAILED), before the store closes.
             if not await tasks.drain(drain_seconds):
@@ -592,6 +651,13 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
             Route(f"{ADMIN_PREFIX}readyz", proxy.readyz, methods=["GET", "HEAD"]),
             Route(f"{ADMIN_PREFIX}metrics", proxy.metrics.endpoint, methods=["GET"]),
             *record_routes(config, proxy.store, proxy.auth, proxy.log, ADMIN_PREFIX),
+            *operation_routes(
+                proxy.jobs,
+                proxy.queue,
+                proxy.hub,
+                proxy._caller,
+                None if config.admin is None else AdminAuth(config.admin, proxy.auth),
+            ),
         ],
         lifespan=lifespan,
         exception_handlers={

@@ -564,6 +564,51 @@ class McpConfig(_Strict):
         return name
 
 
+class AsyncMode(StrEnum):
+    """When a guarded call is answered ``202 Accepted`` and run by the route's workers."""
+
+    NEVER = "never"
+    PREFER = "prefer"
+    """When the caller sends ``Prefer: respond-async`` (or waits past ``after``)."""
+    ALWAYS = "always"
+
+
+DEFAULT_ASYNC_ATTEMPTS = 5
+DEFAULT_ASYNC_BACKOFF = 1.0
+DEFAULT_ASYNC_BACKOFF_MAX = 60.0
+DEFAULT_ASYNC_VISIBILITY = 30.0
+DEFAULT_ASYNC_MAX_QUEUED = 3600.0
+DEFAULT_WORKERS = 4
+
+
+class AsyncConfig(_Strict):
+    """Long calls: answered 202 with an operation to follow, run durably by workers."""
+
+    mode: AsyncMode = AsyncMode.PREFER
+    after: Duration | None = None
+    """A caller still waiting this long gets its 202 while the call goes on."""
+    attempts: int = Field(default=DEFAULT_ASYNC_ATTEMPTS, ge=1, le=100)
+    backoff: Duration = DEFAULT_ASYNC_BACKOFF
+    backoff_max: Duration = DEFAULT_ASYNC_BACKOFF_MAX
+    visibility: Duration = DEFAULT_ASYNC_VISIBILITY
+    """A worker's hold on its job, renewed while it works; past it, another replica
+    takes the job over (and never sends one that may have been sent)."""
+    max_queued: Duration = DEFAULT_ASYNC_MAX_QUEUED
+    """The longest a job waits in the queue (for a worker, or between attempts)."""
+
+    @model_validator(mode="after")
+    def _backoff_cap(self) -> AsyncConfig:
+        if self.backoff_max < self.backoff:
+            raise ValueError("backoff_max must be at least backoff")
+        return self
+
+
+class WorkersConfig(_Strict):
+    """The workers that run a route's jobs, per process."""
+
+    concurrency: int = Field(default=DEFAULT_WORKERS, ge=1, le=1000)
+
+
 class RouteConfig(_Strict):
     """One tool behind the proxy."""
 
@@ -608,6 +653,23 @@ class RouteConfig(_Strict):
         """The longest a call waits for its resource's lock and version reservation."""
         lock = 0.0 if self.lock is None else self.lock.wait
         return lock + (0.0 if self.versioning is None else self.versioning.wait)
+
+    async_: AsyncConfig | None = Field(default=None, alias="async")
+    workers: WorkersConfig = WorkersConfig()
+
+    @model_validator(mode="after")
+    def _async_needs_idempotency(self) -> RouteConfig:
+        if self.async_ is None or self.async_.mode is AsyncMode.NEVER:
+            return self
+        if self.idempotency is None:
+            raise ValueError("async: needs idempotency (a job concludes the call's record)")
+        if self.protocol is RouteProtocol.MCP:
+            raise ValueError("async: not on protocol: mcp routes (MCP has tasks of its own)")
+        return self
+
+    def runs_jobs(self) -> bool:
+        """True if some calls of this route are answered 202 and run by workers."""
+        return self.async_ is not None and self.async_.mode is not AsyncMode.NEVER
 
     protocol: RouteProtocol = RouteProtocol.HTTP
     mcp: McpConfig | None = None

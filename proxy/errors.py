@@ -23,8 +23,10 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── RouteNotFound                       404
     ├── PlanNotFound                        404  no record of this plan session for the caller
     ├── RecordNotFound                      404  no record under this id (admin)
+    ├── OperationNotFound                   404  no operation under this id for the caller
     ├── RequestInProgress                   409
     ├── RecordNotFailed                     409  only a FAILED record can be resolved (admin)
+    ├── OperationConflict                   409  e.g. DELETE of a running operation
     ├── ResourceLocked                      409  the resource's lock was not had within wait
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── PreconditionFailed                  412  If-Match/If-None-Match is not the version
@@ -216,6 +218,24 @@ class RecordNotFound(ProxyError):
     status = 404
     slug = "record-not-found"
     title = "No such record"
+
+
+class OperationNotFound(ProxyError):
+    """No operation under this id for this caller (or it has expired)."""
+
+    status = 404
+    slug = "operation-not-found"
+    title = "No such operation"
+
+
+class OperationConflict(ProxyError):
+    """The operation's state does not allow this: a running one cannot be cancelled (its
+    call may have been sent), an ended one has nothing to cancel, only a dead one can be
+    queued again, only a completed or failed one has a result."""
+
+    status = 409
+    slug = "operation-state"
+    title = "The operation's state does not allow this"
 
 
 class RecordNotFailed(ProxyError):

@@ -83,6 +83,8 @@ class Outcome(StrEnum):
     RELEASED = "released"
     FAILED = "failed"
     PASSED = "passed"
+    ACCEPTED = "accepted"
+    """Answered 202: a job runs the call (``jobs.py``)."""
     REJECTED = "rejected"
 
 
@@ -194,13 +196,17 @@ class Tee:
 class Lease:
     """One claim held by a call in this process; ``stop`` ends its renewals."""
 
-    __slots__ = ("_leases", "lookup", "op", "owner", "stopped", "valid_until")
+    __slots__ = ("_leases", "lookup", "op", "owner", "released", "retain", "stopped", "valid_until")
 
     def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
         self._leases = leases
         self.op = op
         self.owner = owner
         self.stopped = False
+        self.retain = False
+        """A job's lease (``jobs.py``): a verdict to release keeps the record claimed
+        (``released`` is set), for the job's next attempt."""
+        self.released = False
         self.lookup: Lookup | None = None
         self.valid_until = math.inf
         """Until when this process may take the lease to be its own (the loop's clock)."""
@@ -356,13 +362,51 @@ class Guard:
         finally:
             self.tasks.leave()
 
-    def _existing(self, record: Record, op: Operation, wait_left: float) -> StoredResponse | None:
-        """The outcome to replay, or None to wait more; raises 422 or 409."""
+    # -- jobs (``jobs.py``): the same record, claimed at submission, concluded by a worker
+
+    async def claim_job(self, op: Operation, owner: str, queued_ttl: float) -> Record | None:
+        """Claim ``op`` for a job (a lease of ``queued_ttl``, the longest a job waits in its
+        queue); None once claimed, else the record found (422 if it is another call's)."""
+        claim = await self.store.claim(
+            op.key, op.fingerprint, owner, queued_ttl, self.job_record_ttl(queued_ttl)
+        )
+        if claim.record is not None:
+            self._check_fingerprint(claim.record, op)
+        return claim.record
+
+    def job_record_ttl(self, queued_ttl: float) -> float:
+        """A job's record lives result_ttl past the longest its lease can last."""
+        return self.policy.result_ttl + max(queued_ttl, self.policy.lock_ttl)
+
+    def job_lease(self, op: Operation, owner: str, renewed_at: float) -> Lease:
+        """A lease for a job's attempt, its record renewed at ``renewed_at`` (loop clock):
+        renewed while the call runs; a verdict to release keeps the record (``retain``)."""
+        lease = self._leases.hold(op, owner, renewed_at)
+        lease.retain = True
+        return lease
+
+    async def execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
+        """Forward a job's call under ``lease`` and conclude its record."""
+        self.tasks.enter()
+        try:
+            return await self._execute(lease, forward)
+        finally:
+            self.tasks.leave()
+
+    async def conclude_unknown(self, lease: Lease, exc: OutcomeUnknown) -> None:
+        """Record ``exc``: the outcome of a job's call is unknown (never sent again)."""
+        await self._conclude(lease, Verdict(StoredResponse.of_problem(exc), State.FAILED))
+
+    def _check_fingerprint(self, record: Record, op: Operation) -> None:
         if record.fingerprint != op.fingerprint:
             raise KeyReusedWithOtherBody(
                 "this Idempotency-Key was first used with a different request "
                 "(method, path, query or body)"
             )
+
+    def _existing(self, record: Record, op: Operation, wait_left: float) -> StoredResponse | None:
+        """The outcome to replay, or None to wait more; raises 422 or 409."""
+        self._check_fingerprint(record, op)
         if record.lapsed:
             return LAPSED
         if record.state is not State.IN_PROGRESS:
@@ -661,6 +705,9 @@ class Guard:
 
     async def _release(self, lease: Lease) -> None:
         lease.stop()
+        if lease.retain:  # a job: its next attempt (or its end) decides
+            lease.released = True
+            return
         try:
             await self.store.release(lease.op.key, lease.owner)
         except StoreUnavailable as exc:

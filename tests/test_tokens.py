@@ -14,7 +14,7 @@ from proxy.config import parse_config
 from proxy.errors import IdentityProviderUnavailable
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import AUDIENCE, IdentityProvider
-from tests.servers import CountingTool, ProxyProcess, ThreadServer, free_port
+from tests.servers import CountingTool, ProxyProcess, ThreadServer, free_port, wait_for
 
 BODY = {"db": "orders"}
 SECRET_ENV = "TOOL_PROXY_TEST_CLIENT_SECRET"
@@ -473,3 +473,32 @@ def test_token_exchange_sends_the_actor_token(
     [grant] = idp.grants
     assert grant["actor_token"] == "agent-identity-token"
     assert grant["actor_token_type"] == "urn:ietf:params:oauth:token-type:access_token"
+
+
+# -- deferred calls (routes with async: the token is had when the job sends the call) ------
+
+
+@pytest.mark.parametrize("mode", ["client_credentials", "token_exchange"])
+def test_a_long_call_gets_its_downstream_token_when_it_is_sent(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider, mode: str
+) -> None:
+    spec = token_route(tool, idp, mode)
+    spec["async"] = {"mode": "always"}
+    proxy = make_proxy(spec, auth=auth_section(idp))
+    alice = idp.token("alice")
+    accepted = httpx.post(
+        f"{proxy.url}/tools/db",
+        json=BODY,
+        headers={"Idempotency-Key": new_key(BODY), "Authorization": f"Bearer {alice}"},
+    )
+    assert accepted.status_code == 202, accepted.text
+    location = accepted.headers["location"]
+    wait_for(lambda: httpx.get(proxy.url + location, headers=_bearer(alice)).status_code == 303)
+    expected = "dt-1-machine" if mode == "client_credentials" else "dt-1-alice"
+    assert forwarded_token(tool) == expected  # the route's token, never the caller's
+    if mode == "token_exchange":
+        assert idp.grants[0]["subject_token"] == alice
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}

@@ -1,23 +1,28 @@
 """Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis; and
-their rate buckets and resource locks behind others (``buckets.Buckets``,
-``locks.Locks``)."""
+their rate buckets, resource locks and job queues behind others (``buckets.Buckets``,
+``locks.Locks``, ``queue.Queue``)."""
 
 from __future__ import annotations
 
 from proxy.store.base import Claim, Record, RecordKey, State, Store
 from proxy.store.buckets import Buckets
 from proxy.store.locks import Locks
+from proxy.store.queue import Job, JobState, Queue
 
 __all__ = [
     "Buckets",
     "Claim",
+    "Job",
+    "JobState",
     "Locks",
+    "Queue",
     "Record",
     "RecordKey",
     "State",
     "Store",
     "make_buckets",
     "make_locks",
+    "make_queue",
     "make_store",
 ]
 
@@ -56,3 +61,12 @@ def make_locks(store: Store) -> Locks:
         raise TypeError(f"{type(store).__name__} keeps no resource locks")
     locks: Locks = factory()
     return locks
+
+
+def make_queue(store: Store) -> Queue:
+    """The job queue that lives beside ``store``'s records (same connection and clock)."""
+    factory = getattr(store, "queue", None)
+    if factory is None:
+        raise TypeError(f"{type(store).__name__} keeps no job queue")
+    queue: Queue = factory()
+    return queue

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 from proxy.store.locks import Grant
+from proxy.store.queue import Job, JobState
 
 # The largest payload kept, as for Redis (a process's memory is no place for more).
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
@@ -35,6 +37,7 @@ class MemoryStore:
         self._scopes: dict[str, set[RecordKey]] = {}
         self._last_in_slot: dict[str, tuple[str, float]] = {}
         self._values: dict[str, tuple[bytes, float]] = {}
+        self._queue: MemoryQueue | None = None
 
     def _live(self, key: RecordKey) -> _Entry | None:
         entry = self._records.get(key)
@@ -216,6 +219,14 @@ class MemoryStore:
         """The resource locks and versions of this process, on the same clock."""
         return MemoryLocks(self._clock)
 
+    def queue(self) -> MemoryQueue:
+        """The job queue of this process (one per store), on the wall clock: its times
+        are shown to callers."""
+        if self._queue is None:
+            # an injected clock (tests) stands for the wall clock too
+            self._queue = MemoryQueue(time.time if self._clock is time.monotonic else self._clock)
+        return self._queue
+
     async def open(self) -> None:
         return None
 
@@ -352,3 +363,132 @@ class MemoryLocks:
     async def bump(self, key: str) -> int:
         self._versions[key] = self._versions.get(key, 0) + 1
         return self._versions[key]
+
+
+class MemoryQueue:
+    """``Queue`` in this process's memory (one process only): jobs, their events, holds.
+    Ended jobs and their events are dropped ``keep`` seconds after their last change."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._jobs: dict[str, Job] = {}
+        self._events: dict[str, list[Job]] = {}
+        self._holds: dict[str, tuple[str, float]] = {}
+        self._subscribers: set[asyncio.Queue[str]] = set()
+
+    def _live(self, id: str) -> Job | None:
+        job = self._jobs.get(id)
+        if job is not None and job.updated_at + job.keep <= self._clock():
+            del self._jobs[id]
+            self._events.pop(id, None)
+            self._holds.pop(id, None)
+            return None
+        return job
+
+    def _changed(self, job: Job) -> Job:
+        self._jobs[job.id] = job
+        self._events.setdefault(job.id, []).append(replace(job, request=b""))
+        for subscriber in self._subscribers:
+            subscriber.put_nowait(job.id)
+        return job
+
+    async def submit(self, job: Job) -> Job:
+        if self._live(job.id) is not None:
+            raise ValueError(f"job {job.id} exists")
+        now = self._clock()
+        queued = replace(job, state=JobState.QUEUED, created_at=now, updated_at=now, due=now, seq=1)
+        return self._changed(queued)
+
+    async def get(self, id: str) -> Job | None:
+        return self._live(id)
+
+    async def events(self, id: str, after: int) -> list[Job]:
+        if self._live(id) is None:
+            return []
+        return [event for event in self._events.get(id, []) if event.seq > after]
+
+    def _held(self, id: str, now: float) -> tuple[str, float] | None:
+        hold = self._holds.get(id)
+        return hold if hold is not None and hold[1] > now else None
+
+    async def take(self, route: str, worker: str, visibility: float) -> Job | None:
+        now = self._clock()
+        lapsed = None
+        for id in list(self._jobs):
+            job = self._live(id)
+            if job is None or job.route != route or job.state.terminal:
+                continue
+            if self._held(id, now) is not None:
+                continue
+            if id in self._holds:  # held once, and the hold lapsed
+                lapsed = lapsed or job
+            elif job.state is JobState.QUEUED and job.due <= now:
+                self._holds[id] = (worker, now + visibility)
+                return job
+        if lapsed is not None:
+            self._holds[lapsed.id] = (worker, now + visibility)
+        return lapsed
+
+    async def hold(self, id: str, worker: str, visibility: float) -> bool:
+        now = self._clock()
+        job = self._live(id)
+        hold = self._held(id, now)
+        if job is None or job.state.terminal or hold is None or hold[0] != worker:
+            return False
+        self._holds[id] = (worker, now + visibility)
+        return True
+
+    async def move(
+        self,
+        id: str,
+        expect: frozenset[JobState],
+        state: JobState,
+        *,
+        worker: str | None = None,
+        attempts: int | None = None,
+        sent: bool | None = None,
+        error: bytes | None = None,
+        due: float = 0.0,
+    ) -> Job | None:
+        now = self._clock()
+        job = self._live(id)
+        if job is None or job.state not in expect:
+            return None
+        if worker is not None:
+            hold = self._held(id, now)
+            if hold is None or hold[0] != worker:
+                return None
+        moved = replace(
+            job,
+            state=state,
+            attempts=job.attempts if attempts is None else attempts,
+            sent=job.sent if sent is None else sent,
+            error=job.error if error is None else error,
+            updated_at=now,
+            due=now + due if state is JobState.QUEUED else job.due,
+            seq=job.seq + 1,
+        )
+        if state is not JobState.RUNNING:
+            self._holds.pop(id, None)
+        return self._changed(moved)
+
+    async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
+        ids = sorted(self._jobs)
+        start = 0 if not cursor else next((i for i, id in enumerate(ids) if id > cursor), len(ids))
+        page: list[Job] = []
+        for id in ids[start:]:
+            job = self._live(id)
+            if job is not None and (state is None or job.state is state):
+                page.append(replace(job, request=b""))
+            if len(page) >= count:
+                return id, page
+        return "", page
+
+    async def changes(self) -> AsyncIterator[str]:
+        subscriber: asyncio.Queue[str] = asyncio.Queue()
+        self._subscribers.add(subscriber)
+        try:
+            while True:
+                yield await subscriber.get()
+        finally:
+            self._subscribers.discard(subscriber)

@@ -21,13 +21,16 @@ Keys::
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
     tp:{lim:<group>}:s:<key>  sorted set: slot owners, scored by their lease's end (ms)
     tp:{lim:<group>}:pause    string: until when (ms) the group (a route) is paused
+    tp:{lock:<key>}[:fence]   string: a resource lock's owner; its fencing counter
+    tp:{ver:<key>}            string: a resource's version
+    tp:{ops}:...              the job queue (``RedisQueue``: its keys are listed there)
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import hiredis
@@ -43,6 +46,7 @@ from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
 from proxy.store.locks import Grant
+from proxy.store.queue import Job, JobState
 
 KEY_PREFIX = "tp:"
 # Connection defaults; query parameters of the URL (e.g. ?socket_timeout=5) win.
@@ -353,6 +357,7 @@ class RedisStore:
         )
         self._redis = Redis.from_pool(pool)
         self._coalescer = Coalescer(pool)
+        self._queue: RedisQueue | None = None
 
     async def _script(self, source: str, keys: list[str], *args: Any) -> Any:
         sha = _SHA[source]
@@ -476,7 +481,9 @@ class RedisStore:
         """Nothing to do: connections are made on first use, and remade after a failure."""
 
     async def sweep(self) -> int:
-        """Redis expires keys itself."""
+        """Redis expires keys itself; this only deletes the job queue's consumers that
+        are gone (``RedisQueue.sweep``). No record is counted."""
+        await self.queue().sweep()
         return 0
 
     async def ping(self) -> None:
@@ -496,6 +503,12 @@ class RedisStore:
     def locks(self) -> RedisLocks:
         """The resource locks and versions in the same Redis, over the same connection."""
         return RedisLocks(self)
+
+    def queue(self) -> RedisQueue:
+        """The job queue in the same Redis, over the same connection (one per store)."""
+        if self._queue is None:
+            self._queue = RedisQueue(self)
+        return self._queue
 
 
 def _translated(exc: ResponseError) -> StoreUnavailable:
@@ -791,3 +804,367 @@ class RedisLocks:
 
     async def bump(self, key: str) -> int:
         return int(await self._store._command("INCR", version_key(key)))
+
+
+# The job queue: every key under one hash tag, so each operation is one script, legal in
+# a Redis Cluster (the scripts derive a job's route keys from the tag: same slot).
+QUEUE_TAG = f"{KEY_PREFIX}{{ops}}:"
+GROUP = "workers"
+# Consumers (workers) with no pending entry that did not read for this long are deleted
+# by the sweep.
+IDLE_CONSUMER_MS = 3600 * 1000
+_JOB_FIELDS = (
+    *("id", "rt", "pr", "sl", "nm", "lb", "rq", "kp"),
+    *("st", "at", "sn", "er", "ct", "ut", "du", "sq"),
+)
+_EVENT_FIELDS = ("st", "at", "sn", "er", "ut", "du")
+
+# Times are milliseconds (Redis TIME). ``changed`` keeps the job's snapshot as the event
+# ``0-<seq>`` of its event stream, restarts both keys' expiry and tells subscribers.
+_QUEUE_LIB = (
+    _NOW
+    + f"""
+local Q, GROUP = '{QUEUE_TAG}', '{GROUP}'
+local FIELDS = {{{", ".join(f"'{f}'" for f in _JOB_FIELDS)}}}
+local function enqueue(route, id)
+  local stream = Q .. 'q:' .. route
+  if redis.call('EXISTS', stream) == 0 then
+    redis.call('XGROUP', 'CREATE', stream, GROUP, '0', 'MKSTREAM')
+  end
+  return redis.call('XADD', stream, '*', 'id', id)
+end
+local function unqueue(route, id, entry)
+  if entry ~= '' then
+    redis.call('XACK', Q .. 'q:' .. route, GROUP, entry)
+    redis.call('XDEL', Q .. 'q:' .. route, entry)
+  end
+  redis.call('ZREM', Q .. 'due:' .. route, id)
+end
+local function changed(id)
+  local job, events = Q .. 'job:' .. id, Q .. 'ev:' .. id
+  local r = redis.call('HMGET', job, 'sq', 'kp', {", ".join(f"'{f}'" for f in _EVENT_FIELDS)})
+  redis.call('XADD', events, '0-' .. r[1], 'st', r[3], 'at', r[4], 'sn', r[5], 'er', r[6],
+    'ut', r[7], 'du', r[8])
+  redis.call('PEXPIRE', job, r[2])
+  redis.call('PEXPIRE', events, r[2])
+  redis.call('ZADD', Q .. 'exp', now + r[2], id)
+  redis.call('PUBLISH', Q .. 'changes', id)
+  return redis.call('HMGET', job, unpack(FIELDS))
+end
+"""
+)
+
+# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms). Drops a
+# few expired jobs from the indexes on the way: each job is submitted once, so the
+# indexes hold about the live jobs.
+_SUBMIT = (
+    _QUEUE_LIB
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local gone = redis.call('ZRANGE', Q .. 'exp', '-inf', now, 'BYSCORE', 'LIMIT', 0, 16)
+if #gone > 0 then
+  redis.call('ZREM', Q .. 'ids', unpack(gone))
+  redis.call('ZREM', Q .. 'exp', unpack(gone))
+end
+redis.call('DEL', Q .. 'ev:' .. ARGV[1])
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'rt', ARGV[2], 'pr', ARGV[3], 'sl', ARGV[4],
+  'nm', ARGV[5], 'lb', ARGV[6], 'rq', ARGV[7], 'kp', ARGV[8], 'st', 'queued', 'at', 0,
+  'sn', 0, 'er', '', 'ct', now, 'ut', now, 'du', now, 'sq', 1, 'ho', '', 'hu', 0,
+  'en', enqueue(ARGV[2], ARGV[1]))
+redis.call('ZADD', Q .. 'ids', 0, ARGV[1])
+redis.call('SADD', Q .. 'routes', ARGV[2])
+return changed(ARGV[1])
+"""
+)
+
+# KEYS: the route's stream. ARGV: route, worker, visibility (ms). Due retries go into the
+# stream first; then a new entry (XREADGROUP), else one whose hold lapsed (XAUTOCLAIM).
+# Entries whose job ended, expired or was queued again under another entry are dropped.
+_TAKE_JOB = (
+    _QUEUE_LIB
+    + """
+local route, worker, vis, stream = ARGV[1], ARGV[2], tonumber(ARGV[3]), KEYS[1]
+local due = Q .. 'due:' .. route
+for _, id in ipairs(redis.call('ZRANGE', due, '-inf', now, 'BYSCORE', 'LIMIT', 0, 100)) do
+  redis.call('ZREM', due, id)
+  if redis.call('HGET', Q .. 'job:' .. id, 'st') == 'queued' then
+    redis.call('HSET', Q .. 'job:' .. id, 'en', enqueue(route, id))
+  end
+end
+if redis.call('EXISTS', stream) == 0 then return false end
+local function hand(entry, new)
+  local job = Q .. 'job:' .. entry[2][2]
+  local r = redis.call('HMGET', job, 'st', 'en', 'hu')
+  if r[2] ~= entry[1] or not (r[1] == 'queued' or (r[1] == 'running' and not new)) then
+    redis.call('XACK', stream, GROUP, entry[1])
+    redis.call('XDEL', stream, entry[1])
+    return nil
+  end
+  if tonumber(r[3]) > now then return nil end -- held for longer than this visibility
+  redis.call('HSET', job, 'ho', worker, 'hu', now + vis)
+  return redis.call('HMGET', job, unpack(FIELDS))
+end
+for _ = 1, 100 do
+  local got = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', 1, 'STREAMS', stream, '>')
+  if not got then break end
+  local job = hand(got[1][2][1], true)
+  if job then return job end
+end
+local cursor = '0-0'
+for _ = 1, 100 do
+  local got = redis.call('XAUTOCLAIM', stream, GROUP, worker, vis, cursor, 'COUNT', 1)
+  for _, entry in ipairs(got[2]) do
+    local job = hand(entry, false)
+    if job then return job end
+  end
+  cursor = got[1]
+  if cursor == '0-0' then break end
+end
+return false
+"""
+)
+
+# KEYS: job. ARGV: worker, visibility (ms). 1 if the worker held it (renewed: the hold's
+# end in the job, the entry's idle time in the group).
+_HOLD_JOB = (
+    _QUEUE_LIB
+    + """
+local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt')
+if not (r[1] == 'queued' or r[1] == 'running') or r[2] ~= ARGV[1] then return 0 end
+if tonumber(r[3]) <= now then return 0 end
+redis.call('HSET', KEYS[1], 'hu', now + ARGV[2])
+if r[4] ~= '' then
+  redis.call('XCLAIM', Q .. 'q:' .. r[5], GROUP, ARGV[1], 0, r[4], 'JUSTID')
+end
+return 1
+"""
+)
+
+# KEYS: job. ARGV: expected states (",queued,running,"), state, worker ('' for any),
+# due (ms from now), then the fields to set (name, value, ...). The job, or nil.
+_MOVE_JOB = (
+    _QUEUE_LIB
+    + """
+local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt', 'id', 'sq')
+if not r[1] or not string.find(ARGV[1], ',' .. r[1] .. ',', 1, true) then return false end
+if ARGV[3] ~= '' and (r[2] ~= ARGV[3] or tonumber(r[3]) <= now) then return false end
+local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1}
+for i = 5, #ARGV do table.insert(set, ARGV[i]) end
+if state ~= 'running' then
+  unqueue(r[5], r[6], r[4])
+  local entry, due = '', now + tonumber(ARGV[4])
+  if state == 'queued' then
+    if due > now then
+      redis.call('ZADD', Q .. 'due:' .. r[5], due, r[6])
+    else
+      entry = enqueue(r[5], r[6])
+    end
+    table.insert(set, 'du')
+    table.insert(set, due)
+  end
+  for _, v in ipairs({'ho', '', 'hu', 0, 'en', entry}) do table.insert(set, v) end
+end
+redis.call('HSET', KEYS[1], unpack(set))
+return changed(r[6])
+"""
+)
+
+# KEYS: job, its events. ARGV: after (seq). {the job's fixed fields, events} or nil.
+_JOB_EVENTS = """
+local job = redis.call('HMGET', KEYS[1], 'id', 'rt', 'pr', 'sl', 'nm', 'lb', 'kp', 'ct')
+if not job[1] then return false end
+return {job, redis.call('XRANGE', KEYS[2], '(0-' .. ARGV[1], '+')}
+"""
+
+# KEYS: the id index. ARGV: cursor ('' to start), count, state ('' for any). {next
+# cursor, jobs...} (``request`` empty); ids of expired jobs are skipped.
+_LIST_JOBS = f"""
+local Q = '{QUEUE_TAG}'
+local FIELDS = {{{", ".join(f"'{f}'" for f in _JOB_FIELDS)}}}
+local start = ARGV[1] == '' and '-' or '(' .. ARGV[1]
+local ids = redis.call('ZRANGE', KEYS[1], start, '+', 'BYLEX', 'LIMIT', 0, ARGV[2])
+local out = {{#ids == tonumber(ARGV[2]) and ids[#ids] or ''}}
+for _, id in ipairs(ids) do
+  local job = redis.call('HMGET', Q .. 'job:' .. id, unpack(FIELDS))
+  if job[1] and (ARGV[3] == '' or job[9] == ARGV[3]) then
+    job[7] = ''
+    table.insert(out, job)
+  end
+end
+return out
+"""
+
+# KEYS: the route index. ARGV: the idle time (ms) past which a consumer with no pending
+# entry is deleted (a worker that reads again is a consumer again). Returns how many.
+_SWEEP_JOBS = (
+    _QUEUE_LIB
+    + """
+local deleted = 0
+for _, route in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local stream = Q .. 'q:' .. route
+  if redis.call('EXISTS', stream) == 1 then
+    for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, GROUP)) do
+      local info = {}
+      for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
+      if info['pending'] == 0 and info['idle'] > tonumber(ARGV[1]) then
+        redis.call('XGROUP', 'DELCONSUMER', stream, GROUP, info['name'])
+        deleted = deleted + 1
+      end
+    end
+  end
+end
+return deleted
+"""
+)
+
+_SHA.update(
+    {
+        s: hashlib.sha1(s.encode()).hexdigest()
+        for s in (_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS)
+    }
+)
+
+
+def queue_key(kind: str, name: str = "") -> str:
+    """A key of the job queue: ``job`` or ``ev`` of a job id, ``q`` or ``due`` of a route,
+    or the indexes ``ids``, ``exp``, ``routes``."""
+    return f"{QUEUE_TAG}{kind}" + (f":{name}" if name else "")
+
+
+class RedisQueue:
+    """``Queue`` as Lua scripts (one round trip, atomic, per call), every key under the
+    hash tag ``{ops}``::
+
+        tp:{ops}:job:<id>    hash: the job (``_JOB_FIELDS``; ms times), its holder (ho),
+                             hold's end (hu, ms) and stream entry (en, '' if none)
+        tp:{ops}:ev:<id>     stream: its events, entry 0-<seq> (``_EVENT_FIELDS``)
+        tp:{ops}:q:<route>   stream: queued jobs (field id), read by the group 'workers'
+        tp:{ops}:due:<route> sorted set: jobs queued again, scored by when due (ms)
+        tp:{ops}:ids         sorted set: every job id, score 0 (``list`` pages by id)
+        tp:{ops}:exp         sorted set: job ids by expiry (ms): ``submit`` drops a few
+                             expired ones from both indexes each time
+        tp:{ops}:routes      set: the routes that have a stream (``sweep``)
+        tp:{ops}:changes     pub/sub channel: the id of each job that changed
+
+    The job and its events expire ``keep`` after each change (PEXPIRE). A taken job's
+    entry is pending for its worker (the consumer); ``hold`` resets its idle time
+    (XCLAIM JUSTID) and ``take`` takes over entries idle for ``visibility`` (XAUTOCLAIM):
+    the job's ``hu`` decides whether a hold lapsed. A move back to QUEUED or to an end
+    drops the entry (XACK, XDEL).
+    """
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+
+    async def submit(self, job: Job) -> Job:
+        args = (job.id, job.route, job.principal, job.slot, job.name, job.label, job.request)
+        reply = await self._store._script(_SUBMIT, [queue_key("job", job.id)], *args, _ms(job.keep))
+        if reply is None:
+            raise ValueError(f"job {job.id} exists")
+        return _job(reply)
+
+    async def get(self, id: str) -> Job | None:
+        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS)
+        return None if reply[0] is None else _job(reply)
+
+    async def events(self, id: str, after: int) -> list[Job]:
+        keys = [queue_key("job", id), queue_key("ev", id)]
+        reply = await self._store._script(_JOB_EVENTS, keys, after)
+        if reply is None:
+            return []
+        try:
+            id_, route, principal, slot, name, label, keep, created = reply[0]
+            fixed = (id_, route, principal, slot, name, label, b"", keep)
+            events = []
+            for entry, pairs in reply[1]:
+                e = dict(zip(pairs[::2], pairs[1::2], strict=True))
+                changing = (e[b"st"], e[b"at"], e[b"sn"], e[b"er"], created, e[b"ut"], e[b"du"])
+                events.append(_job([*fixed, *changing, entry.split(b"-")[1]]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreError(f"redis store: malformed events of job {id}") from exc
+        return events
+
+    async def take(self, route: str, worker: str, visibility: float) -> Job | None:
+        keys = [queue_key("q", route)]
+        reply = await self._store._script(_TAKE_JOB, keys, route, worker, _ms(visibility))
+        return None if reply is None else _job(reply)
+
+    async def hold(self, id: str, worker: str, visibility: float) -> bool:
+        keys = [queue_key("job", id)]
+        return bool(await self._store._script(_HOLD_JOB, keys, worker, _ms(visibility)))
+
+    async def move(
+        self,
+        id: str,
+        expect: frozenset[JobState],
+        state: JobState,
+        *,
+        worker: str | None = None,
+        attempts: int | None = None,
+        sent: bool | None = None,
+        error: bytes | None = None,
+        due: float = 0.0,
+    ) -> Job | None:
+        fields: list[Any] = []
+        if attempts is not None:
+            fields += ["at", attempts]
+        if sent is not None:
+            fields += ["sn", int(sent)]
+        if error is not None:
+            fields += ["er", error]
+        expected = "," + ",".join(s.value for s in expect) + ","
+        args = (expected, state.value, worker or "", max(int(due * 1000), 0), *fields)
+        reply = await self._store._script(_MOVE_JOB, [queue_key("job", id)], *args)
+        return None if reply is None else _job(reply)
+
+    async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
+        args = (cursor, max(count, 1), "" if state is None else state.value)
+        reply = await self._store._script(_LIST_JOBS, [queue_key("ids")], *args)
+        return reply[0].decode(), [_job(fields) for fields in reply[1:]]
+
+    async def sweep(self) -> int:
+        """Delete the consumers with nothing pending that have not read for an hour
+        (workers gone); return how many."""
+        keys = [queue_key("routes")]
+        return int(await self._store._script(_SWEEP_JOBS, keys, IDLE_CONSUMER_MS))
+
+    async def changes(self) -> AsyncIterator[str]:
+        """Over a connection of its own (SUBSCRIBE), closed when the iterator is."""
+        pubsub = self._store._redis.pubsub()
+        try:
+            await pubsub.subscribe(queue_key("changes"))
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                if message is not None:
+                    yield message["data"].decode()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def _job(fields: list[Any]) -> Job:
+    """A job from its hash fields (``_JOB_FIELDS``' order)."""
+    try:
+        id, route, principal, slot, name, label, request, keep, state, *rest = fields
+        attempts, sent, error, created, updated, due, seq = rest
+        return Job(
+            id.decode(),
+            route.decode(),
+            principal.decode(),
+            slot.decode(),
+            name.decode(),
+            label.decode(),
+            bytes(request),
+            int(keep) / 1000,
+            JobState(state.decode()),
+            int(attempts),
+            sent == b"1",
+            bytes(error),
+            int(created) / 1000,
+            int(updated) / 1000,
+            int(due) / 1000,
+            int(seq),
+        )
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise StoreError("redis store: malformed job") from exc

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +22,7 @@ from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 from proxy.store.locks import Grant
+from proxy.store.queue import Job, JobState
 
 T = TypeVar("T")
 
@@ -50,6 +51,22 @@ CREATE TABLE IF NOT EXISTS slots (
 CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY, value BLOB NOT NULL, expires_at REAL NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, route TEXT NOT NULL, principal TEXT NOT NULL, slot TEXT NOT NULL,
+    name TEXT NOT NULL, label TEXT NOT NULL, request BLOB NOT NULL, keep REAL NOT NULL,
+    state TEXT NOT NULL, attempts INTEGER NOT NULL, sent INTEGER NOT NULL, error BLOB NOT NULL,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL, due REAL NOT NULL, seq INTEGER NOT NULL,
+    holder TEXT NOT NULL DEFAULT '', held_until REAL NOT NULL DEFAULT 0,
+    expires_at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS jobs_expiry ON jobs (expires_at);
+CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (route, holder, due)
+    WHERE state IN ('queued', 'running');
+CREATE TABLE IF NOT EXISTS job_events (
+    id TEXT NOT NULL, seq INTEGER NOT NULL, state TEXT NOT NULL, attempts INTEGER NOT NULL,
+    sent INTEGER NOT NULL, error BLOB NOT NULL, updated_at REAL NOT NULL, due REAL NOT NULL,
+    PRIMARY KEY (id, seq)
+) WITHOUT ROWID;
 """
 _COLUMNS = "slot, name, state, fingerprint, owner, lease_until, expires_at, created_at, updated_at"
 _RECORD = f"SELECT {_COLUMNS}, payload FROM step_records"
@@ -75,6 +92,7 @@ class SQLiteStore:
         self._clock = clock
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tool-proxy-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._queue: SQLiteQueue | None = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -182,7 +200,8 @@ class SQLiteStore:
         await self._run(self._transaction, _unlock, f"lock|{key}", owner.encode())
 
     async def sweep(self) -> int:
-        """Delete expired records and slot pointers; return how many records."""
+        """Delete expired records, slot pointers, values and jobs (with their events);
+        return how many records."""
         return await self._run(self._transaction, _sweep)
 
     async def ping(self) -> None:
@@ -195,6 +214,12 @@ class SQLiteStore:
     def locks(self) -> SQLiteLocks:
         """The resource locks and versions in the same database, thread and clock."""
         return SQLiteLocks(self)
+
+    def queue(self) -> SQLiteQueue:
+        """The job queue in the same database, thread and clock (one per store)."""
+        if self._queue is None:
+            self._queue = SQLiteQueue(self)
+        return self._queue
 
     async def close(self) -> None:
         def _close() -> None:
@@ -392,6 +417,10 @@ def _sweep(db: sqlite3.Connection, now: float) -> int:
     count = db.execute("DELETE FROM step_records WHERE expires_at <= ?", (now,)).rowcount
     db.execute("DELETE FROM slots WHERE expires_at <= ?", (now,))
     db.execute("DELETE FROM kv WHERE expires_at <= ?", (now,))
+    db.execute(
+        "DELETE FROM job_events WHERE id IN (SELECT id FROM jobs WHERE expires_at <= ?)", (now,)
+    )
+    db.execute("DELETE FROM jobs WHERE expires_at <= ?", (now,))
     return count
 
 
@@ -646,3 +675,276 @@ def _release_lock(db: sqlite3.Connection, now: float, key: str, owner: str) -> b
         "DELETE FROM resource_locks WHERE key = ? AND owner = ? AND until > ?", (key, owner, now)
     )
     return cursor.rowcount == 1
+
+
+# A job's columns in ``Job``'s order (``request`` is read as x'' where it is not shown).
+_JOB = (
+    "id, route, principal, slot, name, label, {request}, keep, state, attempts, sent, error,"
+    " created_at, updated_at, due, seq"
+)
+_JOB_COLUMNS = _JOB.format(request="request")
+_JOB_SHOWN = _JOB.format(request="x''")
+_ACTIVE = "state IN ('queued', 'running')"
+
+
+class SQLiteQueue:
+    """``Queue`` in the store's database (tables ``jobs`` and ``job_events``), on the
+    store's thread and clock: every write one ``BEGIN IMMEDIATE`` transaction whose
+    compare-and-set is one ``UPDATE ... WHERE ... RETURNING`` (SQLite 3.35 or later), so
+    the processes of one host share the queue. Expired jobs are invisible at once and
+    deleted, with their events, by the store's ``sweep``.
+
+    ``changes`` tells only of this process's own submits and moves (one ``asyncio.Queue``
+    per subscriber); what other processes change, the caller sees by polling.
+    """
+
+    def __init__(self, store: SQLiteStore) -> None:
+        self._store = store
+        self._subscribers: set[asyncio.Queue[str]] = set()
+
+    async def _write(self, fn: Callable[..., Job | None], *args: Any) -> Job | None:
+        job: Job | None = await self._store._run(self._store._transaction, fn, *args)
+        if job is not None:
+            for subscriber in self._subscribers:
+                subscriber.put_nowait(job.id)
+        return job
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._store._run(lambda: fn(self._store._conn(), self._store._clock(), *args))
+
+    async def submit(self, job: Job) -> Job:
+        submitted = await self._write(_submit_job, job)
+        assert submitted is not None
+        return submitted
+
+    async def get(self, id: str) -> Job | None:
+        return await self._read(_get_job, id)
+
+    async def events(self, id: str, after: int) -> list[Job]:
+        return await self._read(_job_events, id, after)
+
+    async def take(self, route: str, worker: str, visibility: float) -> Job | None:
+        return await self._store._run(
+            self._store._transaction, _take_job, route, worker, visibility
+        )
+
+    async def hold(self, id: str, worker: str, visibility: float) -> bool:
+        return await self._store._run(self._store._transaction, _hold_job, id, worker, visibility)
+
+    async def move(
+        self,
+        id: str,
+        expect: frozenset[JobState],
+        state: JobState,
+        *,
+        worker: str | None = None,
+        attempts: int | None = None,
+        sent: bool | None = None,
+        error: bytes | None = None,
+        due: float = 0.0,
+    ) -> Job | None:
+        return await self._write(_move_job, id, expect, state, worker, attempts, sent, error, due)
+
+    async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
+        return await self._read(_list_jobs, state, cursor, count)
+
+    async def changes(self) -> AsyncIterator[str]:
+        subscriber: asyncio.Queue[str] = asyncio.Queue()
+        self._subscribers.add(subscriber)
+        try:
+            while True:
+                yield await subscriber.get()
+        finally:
+            self._subscribers.discard(subscriber)
+
+
+def _job(row: tuple[Any, ...]) -> Job:
+    id, route, principal, slot, name, label, request, keep, state, attempts, sent, *rest = row
+    error, created_at, updated_at, due, seq = rest
+    return Job(
+        id,
+        route,
+        principal,
+        slot,
+        name,
+        label,
+        bytes(request),
+        keep,
+        JobState(state),
+        attempts,
+        bool(sent),
+        bytes(error),
+        created_at,
+        updated_at,
+        due,
+        seq,
+    )
+
+
+def _event(db: sqlite3.Connection, job: Job) -> Job:
+    """Keep ``job``'s snapshot as its event ``seq``."""
+    db.execute(
+        "INSERT OR REPLACE INTO job_events"
+        " (id, seq, state, attempts, sent, error, updated_at, due) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            job.id,
+            job.seq,
+            job.state.value,
+            job.attempts,
+            job.sent,
+            job.error,
+            job.updated_at,
+            job.due,
+        ),
+    )
+    return job
+
+
+def _submit_job(db: sqlite3.Connection, now: float, job: Job) -> Job:
+    if _get_job(db, now, job.id) is not None:
+        raise ValueError(f"job {job.id} exists")
+    db.execute("DELETE FROM jobs WHERE id = ?", (job.id,))  # expired, not yet swept
+    db.execute("DELETE FROM job_events WHERE id = ?", (job.id,))
+    row = db.execute(
+        f"INSERT INTO jobs ({_JOB_COLUMNS}, expires_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'queued', 0, 0, x'', ?, ?, ?, 1, ?)"
+        f" RETURNING {_JOB_COLUMNS}",
+        (
+            job.id,
+            job.route,
+            job.principal,
+            job.slot,
+            job.name,
+            job.label,
+            job.request,
+            job.keep,
+            now,
+            now,
+            now,
+            now + job.keep,
+        ),
+    ).fetchone()
+    return _event(db, _job(row))
+
+
+def _get_job(db: sqlite3.Connection, now: float, id: str) -> Job | None:
+    row = db.execute(
+        f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ? AND expires_at > ?", (id, now)
+    ).fetchone()
+    return None if row is None else _job(row)
+
+
+def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list[Job]:
+    job = _get_job(db, now, id)
+    if job is None:
+        return []
+    rows = db.execute(
+        "SELECT seq, state, attempts, sent, error, updated_at, due FROM job_events"
+        " WHERE id = ? AND seq > ? ORDER BY seq",
+        (id, after),
+    ).fetchall()
+    return [
+        Job(
+            job.id,
+            job.route,
+            job.principal,
+            job.slot,
+            job.name,
+            job.label,
+            b"",
+            job.keep,
+            JobState(state),
+            attempts,
+            bool(sent),
+            bytes(error),
+            job.created_at,
+            updated_at,
+            due,
+            seq,
+        )
+        for seq, state, attempts, sent, error, updated_at, due in rows
+    ]
+
+
+def _take_job(
+    db: sqlite3.Connection, now: float, route: str, worker: str, visibility: float
+) -> Job | None:
+    """The oldest due QUEUED job held by nobody, else one whose hold lapsed (one
+    statement: the pick and the hold are atomic)."""
+    pick = f"SELECT id FROM jobs WHERE route = ? AND {_ACTIVE} AND expires_at > ? AND holder"
+    row = db.execute(
+        f"UPDATE jobs SET holder = ?, held_until = ? WHERE id = coalesce("
+        f" ({pick} = '' AND state = 'queued' AND due <= ? ORDER BY due, id LIMIT 1),"
+        f" ({pick} > '' AND held_until <= ? ORDER BY held_until LIMIT 1)"
+        f") RETURNING {_JOB_COLUMNS}",
+        (worker, now + visibility, route, now, now, route, now, now),
+    ).fetchone()
+    return None if row is None else _job(row)
+
+
+def _hold_job(db: sqlite3.Connection, now: float, id: str, worker: str, visibility: float) -> bool:
+    cursor = db.execute(
+        f"UPDATE jobs SET held_until = ? WHERE id = ? AND holder = ? AND held_until > ?"
+        f" AND {_ACTIVE} AND expires_at > ?",
+        (now + visibility, id, worker, now, now),
+    )
+    return cursor.rowcount == 1
+
+
+def _move_job(
+    db: sqlite3.Connection,
+    now: float,
+    id: str,
+    expect: frozenset[JobState],
+    state: JobState,
+    worker: str | None,
+    attempts: int | None,
+    sent: bool | None,
+    error: bytes | None,
+    due: float,
+) -> Job | None:
+    """Compare (state, and the hold given a worker) and set, in one statement."""
+    if not expect:
+        return None
+    where = f"id = ? AND expires_at > ? AND state IN ({', '.join('?' * len(expect))})"
+    fence: list[Any] = [id, now, *(s.value for s in expect)]
+    if worker is not None:
+        where += " AND holder = ? AND held_until > ?"
+        fence += [worker, now]
+    # held by nobody but while RUNNING; due ``due`` from now when QUEUED again
+    held = state is JobState.RUNNING
+    row = db.execute(
+        "UPDATE jobs SET state = ?, attempts = coalesce(?, attempts), sent = coalesce(?, sent),"
+        " error = coalesce(?, error), updated_at = ?, expires_at = ? + keep, seq = seq + 1,"
+        " due = coalesce(?, due), holder = CASE WHEN ? THEN holder ELSE '' END,"
+        " held_until = CASE WHEN ? THEN held_until ELSE 0 END"
+        f" WHERE {where} RETURNING {_JOB_COLUMNS}",
+        (
+            state.value,
+            attempts,
+            sent,
+            error,
+            now,
+            now,
+            now + due if state is JobState.QUEUED else None,
+            held,
+            held,
+            *fence,
+        ),
+    ).fetchone()
+    return None if row is None else _event(db, _job(row))
+
+
+def _list_jobs(
+    db: sqlite3.Connection, now: float, state: JobState | None, cursor: str, count: int
+) -> tuple[str, list[Job]]:
+    where, args = "id > ? AND expires_at > ?", [cursor, now]
+    if state is not None:
+        where += " AND state = ?"
+        args.append(state.value)
+    rows = db.execute(
+        f"SELECT {_JOB_SHOWN} FROM jobs WHERE {where} ORDER BY id LIMIT ?",
+        (*args, max(count, 1)),
+    ).fetchall()
+    jobs = [_job(row) for row in rows]
+    return (jobs[-1].id if len(jobs) == max(count, 1) else ""), jobs

@@ -1,0 +1,598 @@
+"""Long calls: answered ``202 Accepted`` at once, run durably by the route's workers.
+
+A guarded call of an ``async`` route that asks for it (``Prefer: respond-async``, the
+route's ``mode: always``, or a caller still waiting past ``after``) becomes a *job*:
+
+    submit: claim the record (owner ``job.<id>``, a lease of max_queued) ─▶ keep the
+            request in the queue (before any answer) ─▶ 202 + Location, or the answer
+            itself if the call ends within the caller's ``wait``
+    worker: take ─▶ sent before? ─yes─▶ FAILED (outcome unknown: never sent twice)
+                        └─no─▶ RUNNING (sent) ─▶ the guard's one way to conclude:
+                               executed ─▶ COMPLETED │ unknown ─▶ FAILED
+                               nothing ran (no connection, release_on_status, a
+                               policy's refusal) ─▶ QUEUED again after a backoff,
+                               or DEAD once ``attempts`` are spent (the key released)
+
+The job concludes the same idempotency record as a live call would, through the same
+``Guard``, so a retry of the key gets the same 202 while the job runs and the recorded
+answer once it is done. The worker sends the stored request through the same tokens,
+policies and upstream as a live request (``app.Proxy.forwarder``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Scope
+
+from proxy.asgi import Incoming, RawHeaders, Reply
+from proxy.background import TaskSet
+from proxy.config import AsyncConfig, AsyncMode, RouteConfig
+from proxy.errors import (
+    NOT_SENT,
+    OffloadUnavailable,
+    OutcomeUnknown,
+    PreconditionFailed,
+    PreconditionRequired,
+    ProxyError,
+    ResourceKeyMissing,
+    StoreUnavailable,
+    Unauthorized,
+)
+from proxy.idempotency import OWNERS, Guard, Lease, Outcome
+from proxy.job_events import Hub
+from proxy.offload import ObjectRef, Offload
+from proxy.operation import Operation
+from proxy.outcome import StoredResponse
+from proxy.problems import problem_body
+from proxy.records import iso
+from proxy.replay import reply
+from proxy.store import Job, JobState, Queue, RecordKey, State, Store
+
+OPERATIONS_PATH = "/_proxy/operations/"
+JOB_OWNER = "job."
+# How often an idle worker looks for a job another process queued (its own are at once).
+IDLE_POLL_SECONDS = 0.25
+# Pause after the queue could not be read.
+QUEUE_RETRY_SECONDS = 1.0
+# Refusals no retry changes (the request itself is refused): the job ends DEAD at once.
+FINAL = (PreconditionFailed, PreconditionRequired, ResourceKeyMissing, Unauthorized)
+QUEUED = frozenset({JobState.QUEUED})
+RUNNING = frozenset({JobState.RUNNING})
+DEAD = frozenset({JobState.DEAD})
+
+Forwarder = Callable[[Incoming, RouteConfig, bytes, str, str], Callable[[], Awaitable[Any]]]
+"""``(request, route, body, principal, identity) -> forward``: the live path's send,
+with its tokens and policies (``app.Proxy.forwarder``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a caller gets: its answer if the call ends within ``wait`` seconds, else 202."""
+
+    wait: float
+    preferred: bool
+    """It sent ``Prefer: respond-async`` (the 202 says ``Preference-Applied``)."""
+
+
+def preferences(header: str | None) -> tuple[bool, float | None]:
+    """``respond-async`` and ``wait`` from a ``Prefer`` header (RFC 7240); others ignored."""
+    asynchronous, wait = False, None
+    for part in (header or "").split(","):
+        token, _, value = part.split(";", 1)[0].strip().partition("=")
+        token = token.strip().lower()
+        if token == "respond-async":
+            asynchronous = True
+        elif token == "wait" and value.strip().strip('"').isdigit():
+            wait = float(value.strip().strip('"'))
+    return asynchronous, wait
+
+
+def prefer(scope: Scope) -> str | None:
+    """The request's ``Prefer`` preferences, its lines joined (RFC 7240 allows several)."""
+    lines = [value.decode("latin-1") for name, value in scope["headers"] if name == b"prefer"]
+    return ", ".join(lines) if lines else None
+
+
+def asked(config: AsyncConfig, prefer: str | None) -> Asked | None:
+    """How a guarded call of an async route is answered; None: as a live call."""
+    asynchronous, wait = preferences(prefer)
+    if config.mode is AsyncMode.NEVER:
+        return None
+    if config.mode is AsyncMode.ALWAYS or asynchronous:
+        return Asked(wait or 0.0, asynchronous)
+    if config.after is not None:
+        return Asked(config.after, False)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRequest:
+    """What a job sends: the caller's request as the proxy received it."""
+
+    scope: dict[str, Any]
+    body: bytes
+    fingerprint: str
+    identity: str
+    ref: ObjectRef | None = None
+    """Where a large body is, in object storage (``body`` is empty then)."""
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("latin-1")
+
+
+def encode_request(request: StoredRequest) -> bytes:
+    """One line of JSON (the request's head), a newline, the body."""
+    scope = request.scope
+    client = scope.get("client")
+    head = {
+        "method": scope["method"],
+        "path": scope["path"],
+        "raw_path": _text(scope.get("raw_path") or scope["path"].encode()),
+        "query": _text(scope["query_string"]),
+        "headers": [[_text(k), _text(v)] for k, v in scope["headers"]],
+        "client": list(client) if client else None,
+        "scheme": scope["scheme"],
+        "fingerprint": request.fingerprint,
+        "identity": request.identity,
+        "ref": None if request.ref is None else dataclasses.asdict(request.ref),
+    }
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + request.body
+
+
+def decode_request(blob: bytes) -> StoredRequest:
+    line, _, body = blob.partition(b"\n")
+    head = json.loads(line)
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": head["method"],
+        "path": head["path"],
+        "raw_path": head["raw_path"].encode("latin-1"),
+        "query_string": head["query"].encode("latin-1"),
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]],
+        "client": tuple(head["client"]) if head["client"] else None,
+        "scheme": head["scheme"],
+        "extensions": {},
+    }
+    ref = None if head["ref"] is None else ObjectRef(**head["ref"])
+    return StoredRequest(scope, body, head["fingerprint"], head["identity"], ref)
+
+
+def location(job_id: str) -> str:
+    return OPERATIONS_PATH + job_id
+
+
+def document(job: Job) -> dict[str, Any]:
+    """The operation's status document."""
+    doc: dict[str, Any] = {
+        "id": job.id,
+        "state": job.state.value,
+        "created_at": iso(job.created_at),
+        "updated_at": iso(job.updated_at),
+        "attempts": job.attempts,
+    }
+    if job.error and job.state in (JobState.FAILED, JobState.DEAD):
+        doc["error"] = json.loads(job.error)
+    return doc
+
+
+def json_body(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def accepted(job: Job, retry_after: float, preferred: bool) -> Response:
+    """``202 Accepted``: where to follow the operation, and its status now."""
+    body = json_body(document(job))
+    headers: RawHeaders = [
+        (b"content-type", b"application/json"),
+        (b"location", location(job.id).encode()),
+        (b"retry-after", str(max(1, math.ceil(retry_after))).encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if preferred:
+        headers.append((b"preference-applied", b"respond-async"))
+    return Reply(202, headers, body)
+
+
+def job_id_of(owner: str) -> str | None:
+    """The job whose record this is, from the record's owner."""
+    return owner[len(JOB_OWNER) :] if owner.startswith(JOB_OWNER) else None
+
+
+def _problem(exc: ProxyError) -> bytes:
+    return problem_body(exc)
+
+
+class RouteJobs:
+    """The jobs of one route: submission, workers, and what operators do with them."""
+
+    def __init__(
+        self,
+        route: RouteConfig,
+        guard: Guard,
+        queue: Queue,
+        store: Store,
+        hub: Hub,
+        forwarder: Forwarder,
+        offload: Offload | None,
+        tasks: TaskSet,
+        log: Any,
+    ) -> None:
+        assert route.async_ is not None
+        self.route = route
+        self.config = route.async_
+        self.guard = guard
+        self.queue = queue
+        self.store = store
+        self.hub = hub
+        self.forwarder = forwarder
+        self.offload = offload
+        self.tasks = tasks
+        self.log = log
+        self._keep = guard.policy.result_ttl + self.config.max_queued
+        self._wake = asyncio.Event()
+        self._polling = asyncio.Lock()
+        self._workers: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    # -- submission -------------------------------------------------------------------
+
+    async def submit(
+        self,
+        op: Operation,
+        request: Incoming,
+        body: bytes,
+        principal: str,
+        identity: str,
+        how: Asked,
+    ) -> Response | None:
+        """The 202 (or the answer, within ``how.wait``) of a new job, or of the job that
+        already holds this key; None if the key's record is no job's (the caller is
+        answered as for a live call: a replay, or a 409)."""
+        job_id = secrets.token_urlsafe(18)
+        owner = JOB_OWNER + job_id
+        record = await self.guard.claim_job(op, owner, self.config.max_queued)
+        if record is not None:
+            existing = job_id_of(record.owner)
+            if record.state is not State.IN_PROGRESS or existing is None:
+                return None
+            job = await self.queue.get(existing)
+            if job is None:
+                return None
+            return await self._answer(job, op, how)
+        try:
+            job = await self._keep_request(job_id, op, request, body, principal, identity)
+        except BaseException:
+            await self.store.release(op.key, owner)
+            raise
+        self._wake.set()
+        self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
+        return await self._answer(job, op, how)
+
+    async def _keep_request(
+        self,
+        job_id: str,
+        op: Operation,
+        request: Incoming,
+        body: bytes,
+        principal: str,
+        identity: str,
+    ) -> Job:
+        ref = None
+        if self.offload is not None and self.offload.wants(len(body)):
+            ref = await self.offload.put(self.route.name, body, keep_for=self._keep)
+            body = b""
+        stored = StoredRequest(dict(request.scope), body, op.fingerprint, identity, ref)
+        job = Job(
+            id=job_id,
+            route=self.route.name,
+            principal=principal,
+            slot=op.key.slot,
+            name=op.key.name,
+            label=op.label,
+            request=encode_request(stored),
+            keep=self._keep,
+        )
+        return await self.queue.submit(job)
+
+    async def _answer(self, job: Job, op: Operation, how: Asked) -> Response:
+        ended = await self.hub.ended(job.id, how.wait)
+        if ended is None or ended.state not in (JobState.COMPLETED, JobState.FAILED):
+            current = ended or job
+            if ended is None and how.wait > 0:  # it moved on while the caller waited
+                current = await self.queue.get(job.id) or job
+            return accepted(current, self.guard.policy.retry_after, how.preferred)
+        return await self.result(ended, first=True) or accepted(
+            ended, self.guard.policy.retry_after, how.preferred
+        )
+
+    async def result(self, job: Job, *, first: bool = False) -> Response | None:
+        """The recorded answer of an ended job, byte for byte, as a replay (or as the
+        first answer, ``first``); None if its record is gone."""
+        record = await self.store.get(RecordKey(job.slot, job.name))
+        if record is None or record.state is State.IN_PROGRESS or record.lapsed:
+            return None
+        stored = StoredResponse.decode(record.payload)
+        if first and stored.ref is None:
+            return reply(stored, replayed=False)
+        return await self.guard.replayer.response(job.label, stored)
+
+    # -- operators and owners -----------------------------------------------------------
+
+    async def cancel(self, job: Job) -> Job | None:
+        """Cancel a QUEUED job (it was never sent; its key is released); None if it is
+        not QUEUED any more."""
+        cancelled = await self.queue.move(job.id, QUEUED, JobState.CANCELLED)
+        if cancelled is not None:
+            await self.store.release(RecordKey(job.slot, job.name), JOB_OWNER + job.id)
+            self.log.info("job_cancelled", route=self.route.name, key=job.label, job=job.id)
+        return cancelled
+
+    async def requeue(self, job: Job) -> Job | None:
+        """Queue a DEAD job again, its attempts afresh, if its key was not used since
+        (it claims the key again); None otherwise."""
+        request = decode_request(job.request)
+        claim = await self.store.claim(
+            RecordKey(job.slot, job.name),
+            request.fingerprint,
+            JOB_OWNER + job.id,
+            self.config.max_queued,
+            self.guard.job_record_ttl(self.config.max_queued),
+        )
+        if not claim.claimed:
+            return None
+        requeued = await self.queue.move(
+            job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b""
+        )
+        if requeued is None:
+            await self.store.release(RecordKey(job.slot, job.name), JOB_OWNER + job.id)
+            return None
+        self._wake.set()
+        return requeued
+
+    # -- workers -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        for slot in range(self.route.workers.concurrency):
+            worker = f"{OWNERS.prefix}{self.route.name}.{slot}"
+            self._workers.append(asyncio.create_task(self._work_forever(worker)))
+
+    async def stop(self, seconds: float) -> None:
+        """Take no more jobs; let running ones finish within ``seconds``, then cancel
+        them (their calls are recorded FAILED). Queued jobs stay for other replicas."""
+        self._stopping = True
+        self._wake.set()
+        if not self._workers:
+            return
+        _, pending = await asyncio.wait(self._workers, timeout=seconds)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _work_forever(self, worker: str) -> None:
+        while not self._stopping:
+            try:
+                job = await self.queue.take(self.route.name, worker, self.config.visibility)
+            except StoreUnavailable as exc:
+                self.log.warning("job_queue_unreadable", route=self.route.name, error=exc.detail)
+                await self._idle(QUEUE_RETRY_SECONDS)
+                continue
+            if job is None:
+                await self._idle(IDLE_POLL_SECONDS)
+                continue
+            self._wake.set()  # there may be more: the idle workers look too
+            try:
+                await self._run(job, worker)
+            except StoreUnavailable as exc:  # the job stays held until its hold lapses
+                self.log.error(
+                    "job_not_concluded", route=self.route.name, job=job.id, error=exc.detail
+                )
+
+    async def _idle(self, seconds: float) -> None:
+        """Wait for a job: one idle worker polls the queue every ``seconds`` (for jobs of
+        other processes), the others wait until it, or a submission here, finds one."""
+        self._wake.clear()
+        if self._polling.locked():
+            await self._wake.wait()
+            return
+        async with self._polling:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self._wake.wait()
+
+    async def _run(self, job: Job, worker: str) -> None:
+        request = decode_request(job.request)
+        op = Operation(RecordKey(job.slot, job.name), job.label, request.fingerprint)
+        owner = JOB_OWNER + job.id
+        if job.sent or job.state is JobState.RUNNING:
+            await self._taken_over_after_sending(job, op, owner, worker)
+            return
+        loop = asyncio.get_running_loop()
+        renewed_at = loop.time()
+        policy = self.guard.policy
+        ttl = self.guard.job_record_ttl(self.config.max_queued)
+        if not await self.store.renew(op.key, owner, policy.lock_ttl, ttl):
+            await self._expired_in_queue(job, op, owner, worker)
+            return
+        running = await self.queue.move(
+            job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=job.attempts + 1, sent=True
+        )
+        if running is None:  # cancelled meanwhile, or the hold was lost
+            return
+        self.hub.poke(job.id)
+        lease = self.guard.job_lease(op, owner, renewed_at)
+        holding = asyncio.create_task(self._hold_while_running(job.id, worker))
+        try:
+            await self._attempt(running, request, lease, worker)
+        finally:
+            holding.cancel()
+
+    async def _attempt(self, job: Job, request: StoredRequest, lease: Lease, worker: str) -> None:
+        body = await self._body(request)
+        incoming = Incoming.of(dict(request.scope), _no_body)
+        forward = self.forwarder(incoming, self.route, body, job.principal, request.identity)
+        refusal: ProxyError | None = None
+        try:
+            response, outcome = await self.guard.execute(lease, forward)
+        except NOT_SENT as exc:
+            refusal, response, outcome = exc, None, Outcome.RELEASED
+        error = b""
+        if response is not None:
+            error = await _drain(response)
+        if lease.released:
+            await self._not_run(job, lease, worker, refusal, response, error)
+            return
+        state = JobState.COMPLETED if outcome is Outcome.EXECUTED else JobState.FAILED
+        moved = await self.queue.move(
+            job.id, RUNNING, state, worker=worker, error=error if state is JobState.FAILED else b""
+        )
+        self.hub.poke(job.id)
+        self.log.info(
+            "job_ended", route=self.route.name, key=job.label, job=job.id, state=state.value
+        )
+        if moved is None:
+            self.log.warning("job_hold_lost", route=self.route.name, job=job.id)
+
+    async def _body(self, request: StoredRequest) -> bytes:
+        if request.ref is None:
+            return request.body
+        if self.offload is None:
+            raise OffloadUnavailable("the request body was offloaded; no object store now")
+        body = await self.offload.get(request.ref)
+        if isinstance(body, bytes):
+            return body
+        return b"".join([chunk async for chunk in body])
+
+    async def _not_run(
+        self,
+        job: Job,
+        lease: Lease,
+        worker: str,
+        refusal: ProxyError | None,
+        response: Response | None,
+        body: bytes,
+    ) -> None:
+        """Nothing ran: queue the job again after a backoff, or, its attempts spent (or
+        refused for good), end it DEAD and release its key."""
+        error = _refusal(refusal, response, body)
+        key = lease.op.key
+        if job.attempts >= self.config.attempts or isinstance(refusal, FINAL):
+            await self.store.release(key, lease.owner)
+            await self.queue.move(
+                job.id, RUNNING, JobState.DEAD, worker=worker, sent=False, error=error
+            )
+            self.hub.poke(job.id)
+            self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
+            return
+        delay = self._backoff(job.attempts, refusal, response)
+        ttl = self.guard.job_record_ttl(self.config.max_queued)
+        await self.store.renew(key, lease.owner, self.config.max_queued, ttl)
+        await self.queue.move(
+            job.id, RUNNING, JobState.QUEUED, worker=worker, sent=False, error=error, due=delay
+        )
+        self.hub.poke(job.id)
+        self.log.info(
+            "job_retried", route=self.route.name, job=job.id, attempt=job.attempts, delay=delay
+        )
+
+    def _backoff(
+        self, attempts: int, refusal: ProxyError | None, response: Response | None
+    ) -> float:
+        """Exponential with jitter (half fixed, half random), or the tool's Retry-After."""
+        told = None
+        if refusal is not None:
+            told = refusal.headers.get("Retry-After")
+        elif response is not None:
+            told = response.headers.get("retry-after")
+        if told is not None and told.strip().isdigit():
+            return min(float(told), self.config.max_queued)
+        ceiling: float = min(self.config.backoff_max, self.config.backoff * 2.0 ** (attempts - 1))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    async def _hold_while_running(self, job_id: str, worker: str) -> None:
+        interval = self.config.visibility / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                held = await self.queue.hold(job_id, worker, self.config.visibility)
+            except StoreUnavailable as exc:
+                self.log.warning("job_hold_failed", route=self.route.name, error=exc.detail)
+                continue
+            if not held:
+                self.log.warning("job_hold_lost", route=self.route.name, job=job_id)
+                return
+
+    async def _taken_over_after_sending(
+        self, job: Job, op: Operation, owner: str, worker: str
+    ) -> None:
+        """The worker that ran this job stopped while its call may have been in flight:
+        record the outcome as unknown; the call is never sent again."""
+        self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
+        unknown = OutcomeUnknown(
+            "the proxy running this operation stopped while its call was in flight; it may "
+            "have been executed, so it is not sent again",
+            status=502,
+        )
+        lease = self.guard.job_lease(op, owner, asyncio.get_running_loop().time())
+        await self.guard.conclude_unknown(lease, unknown)
+        await self.queue.move(
+            job.id, RUNNING | QUEUED, JobState.FAILED, worker=worker, error=_problem(unknown)
+        )
+        self.hub.poke(job.id)
+
+    async def _expired_in_queue(self, job: Job, op: Operation, owner: str, worker: str) -> None:
+        """The job's record lapsed while it waited (past max_queued): not sent; its key is
+        released."""
+        self.log.error("job_expired_in_queue", route=self.route.name, job=job.id)
+        await self.store.release(op.key, owner)
+        expired = OutcomeUnknown(
+            "the operation waited in the queue longer than max_queued and was not sent; "
+            "send the call again",
+            status=503,
+        )
+        await self.queue.move(
+            job.id, QUEUED, JobState.FAILED, worker=worker, error=_problem(expired)
+        )
+        self.hub.poke(job.id)
+
+
+def _refusal(refusal: ProxyError | None, response: Response | None, body: bytes) -> bytes:
+    """Why an attempt did not run, as a problem document."""
+    if refusal is not None:
+        return _problem(refusal)
+    status = 0 if response is None else response.status_code
+    detail = body[:512].decode("utf-8", "replace")
+    return json_body(
+        {
+            "type": "urn:tool-proxy:problem:not-executed",
+            "title": "The tool did not run the call",
+            "status": status,
+            "detail": f"the tool answered {status}: {detail}",
+        }
+    )
+
+
+async def _drain(response: Response) -> bytes:
+    """Read a response the worker does not pass on (its outcome is recorded meanwhile);
+    the body of a small one."""
+    if isinstance(response, StreamingResponse):
+        async for _ in response.body_iterator:
+            pass
+        return b""
+    return bytes(response.body)
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}

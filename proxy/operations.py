@@ -1,0 +1,212 @@
+"""The operation resource of long calls (``jobs.py``), under ``/_proxy/operations/``.
+
+- ``GET /_proxy/operations/{id}``: the status document (200), or ``303 See Other`` to
+  ``.../result`` once completed; with ``Accept: text/event-stream``, one SSE event per
+  state change (``Last-Event-ID`` replays what the reader missed), comment heartbeats,
+  closed after the end.
+- ``GET /_proxy/operations/{id}/result``: the recorded answer, byte for byte, as a replay.
+- ``DELETE /_proxy/operations/{id}``: cancel a queued operation (never sent; its key is
+  released); a running one cannot be un-sent (409).
+- ``GET /_proxy/admin/operations?state=dead`` and ``POST .../{id}/requeue``: operators'.
+
+Only the principal that submitted an operation (or an operator with the admin
+credential) reads or cancels it; for anyone else it does not exist (404). Its id is
+unguessable (144 random bits).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.admin import AdminAuth
+from proxy.asgi import Incoming
+from proxy.config import RouteConfig
+from proxy.errors import (
+    InvalidField,
+    OperationConflict,
+    OperationNotFound,
+    ProxyError,
+    StoredResponseUnavailable,
+)
+from proxy.job_events import Hub
+from proxy.jobs import OPERATIONS_PATH, RouteJobs, document, location
+from proxy.store import Job, JobState, Queue
+
+# Seconds between the comment lines that keep an idle event stream open through proxies
+# and load balancers.
+HEARTBEAT_SECONDS = 15.0
+# Retry-After (seconds) on the status of an operation still queued or running.
+POLL_AFTER_SECONDS = 1
+STATES = {state.value: state for state in JobState}
+MAX_LIST = 1000
+
+Caller = Callable[[Incoming, RouteConfig], Awaitable[tuple[str, str]]]
+"""The caller's principal on a route (``app.Proxy._caller``); raises 401."""
+
+
+class Operations:
+    """The operation endpoints, over the routes' jobs."""
+
+    def __init__(
+        self,
+        jobs: dict[str, RouteJobs],
+        queue: Queue,
+        hub: Hub,
+        caller: Caller,
+        admin: AdminAuth | None,
+    ) -> None:
+        self.jobs = jobs
+        self.queue = queue
+        self.hub = hub
+        self.caller = caller
+        self.admin = admin
+
+    async def _job(self, request: Request) -> tuple[Job, RouteJobs]:
+        """The operation, if the caller may see it; else 404 (or 401 without a token on
+        a route that requires one)."""
+        job = await self.queue.get(request.path_params["id"])
+        jobs = None if job is None else self.jobs.get(job.route)
+        if job is None or jobs is None:
+            raise OperationNotFound("no operation under this id (it may have expired)")
+        if await self._allowed(request, job, jobs.route):
+            return job, jobs
+        raise OperationNotFound("no operation under this id (it may have expired)")
+
+    async def _allowed(self, request: Request, job: Job, route: RouteConfig) -> bool:
+        if self.admin is not None and request.headers.get("authorization"):
+            try:
+                await self.admin.identity(request)
+                return True
+            except ProxyError:
+                pass  # not an operator: perhaps the caller that submitted it
+        if route.auth is None:
+            return job.principal == ""
+        principal, _ = await self.caller(Incoming.of(request.scope, request.receive), route)
+        return principal == job.principal
+
+    async def show(self, request: Request) -> Response:
+        job, _ = await self._job(request)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return self._stream(job, _last_event_id(request))
+        if job.state is JobState.COMPLETED:
+            return JSONResponse(
+                document(job), 303, headers={"Location": location(job.id) + "/result"}
+            )
+        headers = {} if job.state.terminal else {"Retry-After": str(POLL_AFTER_SECONDS)}
+        return JSONResponse(document(job), headers=headers)
+
+    def _stream(self, job: Job, after: int) -> Response:
+        async def events() -> AsyncIterator[ServerSentEvent]:
+            async for event in self.hub.follow(job.id, after):
+                yield ServerSentEvent(
+                    data=json.dumps(document(event), separators=(",", ":")),
+                    event="state",
+                    id=str(event.seq),
+                )
+
+        return EventSourceResponse(events(), ping=HEARTBEAT_SECONDS)
+
+    async def result(self, request: Request) -> Response:
+        job, jobs = await self._job(request)
+        if job.state not in (JobState.COMPLETED, JobState.FAILED):
+            raise OperationConflict(f"the operation is {job.state.value}: it has no result")
+        response = await jobs.result(job)
+        if response is None:
+            raise StoredResponseUnavailable("the operation's recorded answer has expired")
+        return response
+
+    async def cancel(self, request: Request) -> Response:
+        job, jobs = await self._job(request)
+        cancelled = await jobs.cancel(job)
+        if cancelled is not None:
+            return JSONResponse(document(cancelled))
+        current = await self.queue.get(job.id) or job
+        if current.state is JobState.RUNNING:
+            raise OperationConflict(
+                "the operation is running: its call may have reached the tool and cannot "
+                "be un-sent; it completes (or fails) and is recorded as usual"
+            )
+        raise OperationConflict(f"the operation is {current.state.value}: nothing to cancel")
+
+    async def list(self, request: Request) -> Response:
+        assert self.admin is not None
+        await self.admin.identity(request)
+        query = request.query_params
+        unknown = set(query) - {"state", "cursor", "limit"}
+        if unknown:
+            raise InvalidField(sorted(unknown)[0], "unknown parameter")
+        state = None
+        if "state" in query:
+            state = STATES.get(query["state"])
+            if state is None:
+                raise InvalidField("state", f"one of {', '.join(STATES)}")
+        limit = _limit(query.get("limit"))
+        cursor, page = await self.queue.list(state, query.get("cursor", ""), limit)
+        return JSONResponse(
+            {
+                "operations": [{**document(j), "route": j.route, "key": j.label} for j in page],
+                "next_cursor": cursor or None,
+            }
+        )
+
+    async def requeue(self, request: Request) -> Response:
+        assert self.admin is not None
+        admin = await self.admin.identity(request)
+        job, jobs = await self._job(request)
+        if job.state is not JobState.DEAD:
+            raise OperationConflict(f"the operation is {job.state.value}: only a dead one")
+        requeued = await jobs.requeue(job)
+        if requeued is None:
+            raise OperationConflict(
+                "the operation's Idempotency-Key was used again since it died (or it was "
+                "requeued meanwhile): it is not queued again, so the call cannot run twice"
+            )
+        jobs.log.warning("job_requeued", route=job.route, job=job.id, admin=admin)
+        return JSONResponse(document(requeued))
+
+
+def _last_event_id(request: Request) -> int:
+    value = request.headers.get("last-event-id", "0").strip() or "0"
+    if not value.isdigit():
+        raise InvalidField("Last-Event-ID", "must be the id of an event of this operation")
+    return int(value)
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return 100
+    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST:
+        raise InvalidField("limit", f"an integer from 1 to {MAX_LIST}")
+    return int(value)
+
+
+def operation_routes(
+    jobs: dict[str, RouteJobs],
+    queue: Queue | None,
+    hub: Hub | None,
+    caller: Caller,
+    admin: AdminAuth | None,
+) -> Sequence[Route]:
+    """The operation endpoints, when some route runs jobs."""
+    if queue is None or hub is None:
+        return []
+    api = Operations(jobs, queue, hub, caller, admin)
+    base = OPERATIONS_PATH.rstrip("/")
+    routes: list[Any] = [
+        Route(f"{base}/{{id}}", api.show, methods=["GET"]),
+        Route(f"{base}/{{id}}", api.cancel, methods=["DELETE"]),
+        Route(f"{base}/{{id}}/result", api.result, methods=["GET"]),
+    ]
+    if admin is not None:
+        routes += [
+            Route("/_proxy/admin/operations", api.list, methods=["GET"]),
+            Route("/_proxy/admin/operations/{id}/requeue", api.requeue, methods=["POST"]),
+        ]
+    return routes

@@ -1,0 +1,458 @@
+"""Long calls (proxy/jobs.py, proxy/operations.py): 202 at once, the operation resource,
+SSE, retries, dead operations, cancels.
+
+In-process proxies on the memory and SQLite stores, against real upstream servers;
+tests/test_jobs_replicas.py runs real ``tool-proxy serve`` processes on one Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from proxy.config import parse_config
+from proxy.errors import ConfigError
+from proxy.job_events import Hub
+from proxy.jobs import asked, preferences
+from proxy.store import Job, JobState
+from proxy.store.memory import MemoryQueue
+from tests.conftest import ProxyFactory, new_key, route
+from tests.idp import IdentityProvider
+from tests.servers import CountingTool, ThreadServer, running, wait_for
+from tests.test_auth import auth_config
+from tests.test_offload import S3, s3, s3_offload  # noqa: F401 (s3 is a fixture)
+
+BODY = {"repo": "tool-proxy", "pr": 12}
+ASYNC = {"Prefer": "respond-async"}
+
+
+def long_route(upstream: str, *, query: str = "", **config: Any) -> dict[str, Any]:
+    spec = route(upstream)
+    spec["async"] = {"backoff": "50ms", "backoff_max": "100ms", **config.pop("async_", {})}
+    spec.update(config)
+    return spec
+
+
+def post(
+    base: str, body: Any = BODY, key: str | None = None, query: str = "", **headers: str
+) -> httpx.Response:
+    sent = {"content-type": "application/json", "idempotency-key": key or new_key(body)}
+    sent.update(headers)
+    return httpx.post(f"{base}/tools/run{query}", content=json.dumps(body), headers=sent)
+
+
+def until(base: str, location: str, *states: str) -> dict[str, Any]:
+    """The status document once the operation is in one of ``states``."""
+    seen: dict[str, Any] = {}
+
+    def reached() -> bool:
+        answer = httpx.get(base + location)
+        seen.update(answer.json())
+        return seen["state"] in states
+
+    wait_for(reached, what=f"operation {location} to be {'/'.join(states)}")
+    return seen
+
+
+class FlakyTool:
+    """Answers 503 (Retry-After: 0) to the first ``failures`` calls of each key, then 200;
+    ``failures`` < 0: always 503."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: Counter[str] = Counter()
+        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["POST"])])
+
+    async def handle(self, request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        self.calls[key] += 1
+        if self.failures < 0 or self.calls[key] <= self.failures:
+            return Response(b"busy", 503, headers={"Retry-After": "0"})
+        return Response(json.dumps({"calls": self.calls[key]}), media_type="application/json")
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    return "memory://" if request.param == "memory" else f"sqlite://{tmp_path}/state.db"
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyTool]:
+    tool = FlakyTool(2)
+    server = ThreadServer(tool.app).start()
+    tool.url = server.url  # type: ignore[attr-defined]
+    yield tool
+    server.stop()
+
+
+# -- asking for it ------------------------------------------------------------------------
+
+
+def test_prefer_header_parsing() -> None:
+    assert preferences("respond-async, wait=10") == (True, 10.0)
+    assert preferences("wait=5;x=1, RESPOND-ASYNC") == (True, 5.0)
+    assert preferences('return=minimal, wait="3"') == (False, 3.0)
+    assert preferences(None) == (False, None)
+    assert preferences("wait=soon") == (False, None)
+
+
+def test_modes_and_after() -> None:
+    def config(**section: Any) -> Any:
+        spec = route("http://tool:1")
+        spec["async"] = section
+        async_ = parse_config({"routes": [spec]}, env={}).routes[0].async_
+        assert async_ is not None
+        return async_
+
+    assert asked(config(mode="prefer"), None) is None
+    prefer = asked(config(mode="prefer"), "respond-async")
+    assert prefer is not None and (prefer.wait, prefer.preferred) == (0.0, True)
+    after = asked(config(mode="prefer", after="25s"), None)
+    assert after is not None and (after.wait, after.preferred) == (25.0, False)
+    always = asked(config(mode="always"), "wait=2")
+    assert always is not None and (always.wait, always.preferred) == (2.0, False)
+    assert asked(config(mode="never"), "respond-async") is None
+
+
+def test_async_needs_idempotency_and_names_the_field() -> None:
+    spec = route("http://tool:1", guarded=False)
+    spec["async"] = {"mode": "always"}
+    with pytest.raises(ConfigError, match="async: needs idempotency"):
+        parse_config({"routes": [spec]}, env={})
+    spec = route("http://tool:1")
+    spec["async"] = {"attempts": 0}
+    with pytest.raises(ConfigError, match="attempts"):
+        parse_config({"routes": [spec]}, env={})
+    spec = route("http://tool:1")
+    spec["workers"] = {"concurrency": 0}
+    with pytest.raises(ConfigError, match="concurrency"):
+        parse_config({"routes": [spec]}, env={})
+
+
+# -- the 202 and the operation ------------------------------------------------------------
+
+
+def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
+    tool: CountingTool, make_proxy: ProxyFactory, store: str
+) -> None:
+    proxy = make_proxy(long_route(tool.url), store=store)
+    key = new_key(BODY)
+    accepted = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    assert accepted.status_code == 202, accepted.text
+    assert accepted.headers["preference-applied"] == "respond-async"
+    assert accepted.headers["retry-after"] == "1"
+    location = accepted.headers["location"]
+    assert location.startswith("/_proxy/operations/") and len(location) > 40
+    doc = accepted.json()
+    assert doc["id"] == location.rsplit("/", 1)[1]
+    assert doc["state"] in ("queued", "running") and doc["created_at"].endswith("Z")
+
+    again = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    assert again.status_code == 202 and again.headers["location"] == location
+    in_flight = post(proxy.url, key=key, query="?delay=0.5")  # no Prefer: as for a live call
+    assert in_flight.status_code == 409
+
+    until(proxy.url, location, "completed")
+    see_other = httpx.get(proxy.url + location)
+    assert see_other.status_code == 303
+    assert see_other.headers["location"] == location + "/result"
+    result = httpx.get(proxy.url + location + "/result")
+    assert result.status_code == 200
+    assert result.headers["idempotent-replayed"] == "true"
+    assert result.headers["x-tool"] == "counting"
+    assert result.json()["execution"] == 1 and result.json()["body"] == json.dumps(BODY)
+    replay = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)  # done: the recorded answer
+    assert replay.status_code == 200 and replay.content == result.content
+    assert tool.count(key) == 1
+
+
+def test_an_answer_within_wait_is_given_at_once(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(long_route(tool.url))
+    quick = post(proxy.url, **{"Prefer": "respond-async, wait=10"})
+    assert quick.status_code == 200, quick.text
+    assert "idempotent-replayed" not in quick.headers
+    assert quick.json()["execution"] == 1
+    slow = post(proxy.url, query="?delay=2", **{"Prefer": "respond-async, wait=1"})
+    assert slow.status_code == 202
+
+
+def test_mode_always_and_after(tool: CountingTool, make_proxy: ProxyFactory) -> None:
+    always = make_proxy(long_route(tool.url, async_={"mode": "always"}))
+    answer = post(always.url)
+    assert answer.status_code == 202 and "preference-applied" not in answer.headers
+    after = make_proxy(long_route(tool.url, async_={"after": "300ms"}))
+    assert post(after.url).status_code == 200  # quick: answered as usual
+    switched = post(after.url, query="?delay=2")
+    assert switched.status_code == 202
+    assert until(after.url, switched.headers["location"], "completed")["attempts"] == 1
+
+
+def test_status_codes_of_the_operation_resource(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(long_route(tool.url))
+    missing = httpx.get(proxy.url + "/_proxy/operations/nope")
+    assert missing.status_code == 404
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.json()["type"] == "urn:tool-proxy:problem:operation-not-found"
+    location = post(proxy.url, query="?delay=1", **ASYNC).headers["location"]
+    not_yet = httpx.get(proxy.url + location + "/result")
+    assert not_yet.status_code == 409
+    assert not_yet.json()["type"] == "urn:tool-proxy:problem:operation-state"
+    bad = httpx.get(
+        proxy.url + location, headers={"accept": "text/event-stream", "last-event-id": "x"}
+    )
+    assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["detail"]
+
+
+# -- SSE ----------------------------------------------------------------------------------
+
+
+def sse(base: str, location: str, last: str | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+    """The (event, id, data) of every event until the stream closes."""
+    headers = {"accept": "text/event-stream"}
+    if last is not None:
+        headers["last-event-id"] = last
+    events = []
+    with httpx.stream("GET", base + location, headers=headers, timeout=20) as stream:
+        assert stream.status_code == 200
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        fields: dict[str, str] = {}
+        for line in stream.iter_lines():
+            if line.startswith(":"):
+                continue
+            if not line:
+                if "data" in fields:
+                    events.append((fields["event"], fields["id"], json.loads(fields["data"])))
+                fields = {}
+                continue
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return events
+
+
+def test_sse_reports_each_state_and_a_reconnect_misses_nothing(
+    tool: CountingTool, make_proxy: ProxyFactory, store: str
+) -> None:
+    proxy = make_proxy(long_route(tool.url), store=store)
+    location = post(proxy.url, query="?delay=0.5", **ASYNC).headers["location"]
+    events = sse(proxy.url, location)
+    assert [e[0] for e in events] == ["state"] * len(events)
+    assert [e[2]["state"] for e in events] == ["queued", "running", "completed"]
+    assert [e[1] for e in events] == ["1", "2", "3"]
+    assert events[-1][2]["attempts"] == 1
+    missed = sse(proxy.url, location, last="1")  # dropped after the first event
+    assert [(e[1], e[2]["state"]) for e in missed] == [("2", "running"), ("3", "completed")]
+    assert sse(proxy.url, location, last="3") == []
+
+
+# -- retries, dead operations, cancels ----------------------------------------------------
+
+
+def test_a_tool_that_answers_503_twice_is_retried_and_completes(
+    flaky: FlakyTool, make_proxy: ProxyFactory, store: str
+) -> None:
+    proxy = make_proxy(long_route(flaky.url), store=store)  # type: ignore[attr-defined]
+    key = new_key(BODY)
+    location = post(proxy.url, key=key, **ASYNC).headers["location"]
+    doc = until(proxy.url, location, "completed", "dead", "failed")
+    assert doc["state"] == "completed" and doc["attempts"] == 3
+    assert httpx.get(proxy.url + location + "/result").json() == {"calls": 3}
+    assert flaky.calls[key] == 3
+
+
+def test_a_tool_that_always_answers_503_ends_dead_and_can_be_requeued(
+    make_proxy: ProxyFactory, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tool = FlakyTool(-1)
+    monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
+    with running(ThreadServer(tool.app)) as server:
+        proxy = make_proxy(
+            long_route(server.url, async_={"attempts": 3}),
+            store=store,
+            admin={"token_env": "ADMIN_TOKEN"},
+        )
+        key = new_key(BODY)
+        location = post(proxy.url, key=key, **ASYNC).headers["location"]
+        doc = until(proxy.url, location, "dead", "completed", "failed")
+        assert doc["state"] == "dead" and doc["attempts"] == 3
+        assert doc["error"]["status"] == 503 and "busy" in doc["error"]["detail"]
+        assert tool.calls[key] == 3
+        admin = {"authorization": "Bearer operator-secret"}
+        listed = httpx.get(proxy.url + "/_proxy/admin/operations?state=dead", headers=admin)
+        assert listed.status_code == 200
+        assert [o["id"] for o in listed.json()["operations"]] == [doc["id"]]
+        assert listed.json()["operations"][0]["key"] == key
+        unauthorized = httpx.get(proxy.url + "/_proxy/admin/operations?state=dead")
+        assert unauthorized.status_code == 401
+        tool.failures = 0  # the tool is fixed: the operator queues it again
+        requeued = httpx.post(
+            proxy.url + f"/_proxy/admin/operations/{doc['id']}/requeue", headers=admin
+        )
+        assert requeued.status_code == 200, requeued.text
+        assert until(proxy.url, location, "completed")["attempts"] == 1
+        assert tool.calls[key] == 4
+        again = httpx.post(
+            proxy.url + f"/_proxy/admin/operations/{doc['id']}/requeue", headers=admin
+        )
+        assert again.status_code == 409
+
+
+def test_a_dead_operation_releases_its_key(make_proxy: ProxyFactory) -> None:
+    tool = FlakyTool(-1)
+    with running(ThreadServer(tool.app)) as server:
+        proxy = make_proxy(long_route(server.url, async_={"attempts": 1}))
+        key = new_key(BODY)
+        location = post(proxy.url, key=key, **ASYNC).headers["location"]
+        assert until(proxy.url, location, "dead", "completed")["state"] == "dead"
+        tool.failures = 0
+        second = post(proxy.url, key=key, **ASYNC)  # nothing ran: a new operation runs it
+        assert second.status_code == 202 and second.headers["location"] != location
+        assert until(proxy.url, second.headers["location"], "completed")["attempts"] == 1
+        assert tool.calls[key] == 2
+
+
+def test_a_queued_operation_is_cancelled_and_a_running_one_is_not(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(long_route(tool.url, workers={"concurrency": 1}))
+    running = post(proxy.url, query="?delay=1", **ASYNC).headers["location"]
+    until(proxy.url, running, "running")
+    queued_key = new_key(BODY)
+    queued = post(proxy.url, key=queued_key, **ASYNC).headers["location"]
+    assert httpx.get(proxy.url + queued).json()["state"] == "queued"
+    cancelled = httpx.delete(proxy.url + queued)
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    refused = httpx.delete(proxy.url + running)
+    assert refused.status_code == 409 and "un-sent" in refused.json()["detail"]
+    until(proxy.url, running, "completed")
+    assert httpx.get(proxy.url + queued).json()["state"] == "cancelled"
+    assert tool.count(queued_key) == 0
+    ended = httpx.delete(proxy.url + queued)
+    assert ended.status_code == 409
+    rerun = post(proxy.url, key=queued_key, **ASYNC)  # the key was released
+    assert rerun.status_code == 202 and rerun.headers["location"] != queued
+    until(proxy.url, rerun.headers["location"], "completed")
+    assert tool.count(queued_key) == 1
+
+
+# -- who may see an operation -------------------------------------------------------------
+
+
+def test_only_the_principal_that_submitted_it_or_an_operator_sees_an_operation(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
+    proxy = make_proxy(
+        long_route(tool.url, auth={"required": True}),
+        auth=auth_config(idp),
+        admin={"token_env": "ADMIN_TOKEN"},
+    )
+    alice = {"Authorization": f"Bearer {idp.token('alice')}"}
+    bob = {"Authorization": f"Bearer {idp.token('bob')}"}
+    location = post(proxy.url, query="?delay=1", **ASYNC, **alice).headers["location"]
+    assert httpx.get(proxy.url + location, headers=alice).status_code == 200
+    assert httpx.get(proxy.url + location, headers=bob).status_code == 404
+    assert httpx.delete(proxy.url + location, headers=bob).status_code == 404
+    forged = {"Authorization": "Bearer not-a-token"}
+    assert httpx.get(proxy.url + location, headers=forged).status_code == 401
+    assert httpx.get(proxy.url + location).status_code == 401  # the route requires a token
+    operator = {"Authorization": "Bearer operator-secret"}
+    assert httpx.get(proxy.url + location, headers=operator).status_code == 200
+    wait_for(lambda: httpx.get(proxy.url + location, headers=alice).status_code == 303)
+    assert httpx.get(proxy.url + location + "/result", headers=alice).status_code == 200
+    assert httpx.get(proxy.url + location + "/result", headers=bob).status_code == 404
+
+
+# -- shutdown -----------------------------------------------------------------------------
+
+
+def test_a_shutdown_finishes_running_calls_and_leaves_queued_ones(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Any
+) -> None:
+    store = f"sqlite://{tmp_path}/state.db"
+    spec = long_route(tool.url, workers={"concurrency": 1})
+    first = make_proxy(spec, store=store)
+    running_key, queued_key = new_key(BODY, step=1), new_key(BODY, step=2)
+    running_at = post(first.url, key=running_key, query="?delay=1", **ASYNC).headers["location"]
+    wait_for(lambda: tool.arrived[running_key] == 1, what="the first call to reach the tool")
+    queued_at = post(first.url, key=queued_key, **ASYNC).headers["location"]
+    first.stop()  # graceful: the running call ends and is recorded; the queued one waits
+    assert tool.count(running_key) == 1 and tool.arrived[queued_key] == 0
+
+    second = make_proxy(spec, store=store)
+    assert httpx.get(second.url + running_at).status_code == 303
+    assert until(second.url, queued_at, "completed")["attempts"] == 1
+    assert tool.count(queued_key) == 1 and tool.count(running_key) == 1
+
+
+# -- large request bodies -----------------------------------------------------------------
+
+
+def test_a_large_request_body_waits_in_object_storage(
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    s3: S3,  # noqa: F811 (the fixture)
+) -> None:
+    proxy = make_proxy(long_route(tool.url), offload=s3_offload(s3, threshold=1024))
+    big = {"diff": "x" * 50_000}
+    key = new_key(big)
+    location = post(proxy.url, big, key=key, **ASYNC).headers["location"]
+    until(proxy.url, location, "completed")
+    assert tool.requests[-1]["body"] == json.dumps(big).encode()  # sent whole
+    objects = s3.keys()
+    assert any(k.startswith("responses/tool/") for k in objects)  # the request, kept there
+
+
+# -- one store read per operation, however many readers -----------------------------------
+
+
+class CountingQueue(MemoryQueue):
+    """A memory queue that counts the event reads (a unit test's stand-in for a store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    async def events(self, id: str, after: int) -> list[Job]:
+        self.reads += 1
+        return await super().events(id, after)
+
+
+@pytest.mark.anyio
+async def test_many_readers_of_one_operation_share_one_store_read_per_change() -> None:
+    queue = CountingQueue()
+    hub = Hub(queue, structlog.get_logger())
+    job = await queue.submit(
+        Job(id="op", route="r", principal="", slot="s", name="n", label="l", keep=60)
+    )
+    readers = [asyncio.create_task(_states(hub, job.id)) for _ in range(50)]
+    await asyncio.sleep(0.05)
+    await queue.take("r", "w", 30)
+    await queue.move("op", frozenset({JobState.QUEUED}), JobState.RUNNING, worker="w")
+    await asyncio.sleep(0.05)
+    await queue.move("op", frozenset({JobState.RUNNING}), JobState.COMPLETED, worker="w")
+    states = await asyncio.gather(*readers)
+    assert states == [["queued", "running", "completed"]] * 50
+    assert queue.reads <= 6  # once at the start and once per change (not 50 times each)
+    hub.close()
+
+
+async def _states(hub: Hub, id: str) -> list[str]:
+    return [event.state.value async for event in hub.follow(id, 0)]

@@ -1,0 +1,136 @@
+"""Long calls across replicas: real ``tool-proxy serve`` processes sharing one real
+redis-server, in front of real upstream servers.
+
+A replica that dies with an operation queued leaves it to the other, which runs it once;
+one that dies while its operation's call is in flight leaves it FAILED, never sent again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import new_key, route
+from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, running, wait_for
+from tests.test_jobs import ASYNC, BODY, FlakyTool, post, sse, until
+
+
+def config(redis: RedisServer, upstream: str, **extra: Any) -> dict[str, Any]:
+    spec = route(upstream)  # lock_ttl 5s
+    spec["async"] = {"backoff": "50ms", "backoff_max": "100ms", "visibility": "1s"}
+    spec.update(extra)
+    return {"store": {"url": redis.url}, "routes": [spec]}
+
+
+@pytest.fixture
+def redis(redis_server: RedisServer) -> RedisServer:
+    redis_server.flush()
+    return redis_server
+
+
+@pytest.fixture
+def replicas(
+    redis: RedisServer, tool: CountingTool, tmp_path: Path
+) -> Iterator[list[ProxyProcess]]:
+    proxies = [ProxyProcess(config(redis, tool.url), tmp_path).start() for _ in range(2)]
+    yield proxies
+    for proxy in proxies:
+        if proxy.process is not None:
+            proxy.stop()
+
+
+def test_a_3s_call_is_accepted_at_once_and_followed_from_the_other_replica(
+    replicas: list[ProxyProcess], tool: CountingTool
+) -> None:
+    a, b = replicas
+    key = new_key(BODY)
+    accepted = post(a.url, key=key, query="?delay=3", **ASYNC)
+    assert accepted.status_code == 202, accepted.text
+    assert tool.count(key) == 0  # answered before the tool did anything
+    location = accepted.headers["location"]
+    again = post(b.url, key=key, query="?delay=3", **ASYNC)  # a retry, at the other replica
+    assert again.status_code == 202 and again.headers["location"] == location
+
+    events = sse(b.url, location)
+    assert [e[2]["state"] for e in events] == ["queued", "running", "completed"]
+    missed = sse(a.url, location, last="1")
+    assert [(e[1], e[2]["state"]) for e in missed] == [("2", "running"), ("3", "completed")]
+
+    assert httpx.get(b.url + location).status_code == 303
+    result = httpx.get(a.url + location + "/result")
+    assert result.status_code == 200 and result.headers["idempotent-replayed"] == "true"
+    expected = {"execution": 1, "path": "/tools/run", "body": json.dumps(BODY)}
+    assert result.content == json.dumps(expected).encode()  # the tool's bytes
+    assert tool.count(key) == 1 and tool.arrived[key] == 1
+
+
+def test_a_replica_killed_with_one_call_in_flight_and_one_queued(
+    redis: RedisServer, tool: CountingTool, tmp_path: Path
+) -> None:
+    single = config(redis, tool.url, workers={"concurrency": 1})
+    a = ProxyProcess(single, tmp_path).start()
+    sending, queued = new_key(BODY, step=1), new_key(BODY, step=2)
+    in_flight = post(a.url, key=sending, query="?delay=4", **ASYNC).headers["location"]
+    wait_for(lambda: tool.arrived[sending] == 1, what="the first call to reach the tool")
+    waiting = post(a.url, key=queued, **ASYNC).headers["location"]
+    assert until(a.url, waiting, "queued", "running")["state"] == "queued"  # a is busy
+    a.kill()
+
+    b = ProxyProcess(single, tmp_path).start()
+    try:
+        done = until(b.url, waiting, "completed", "failed")
+        assert done["state"] == "completed" and done["attempts"] == 1
+        assert tool.count(queued) == 1
+        failed = until(b.url, in_flight, "failed", "completed")
+        assert failed["state"] == "failed"
+        assert failed["error"]["type"] == "urn:tool-proxy:problem:outcome-unknown"
+        assert "not sent again" in failed["error"]["detail"]
+        retry = post(b.url, key=sending, query="?delay=4", **ASYNC)
+        assert retry.status_code == 502  # the recorded unknown outcome, replayed
+        assert retry.headers["idempotent-replayed"] == "true"
+        assert tool.arrived[sending] == 1  # never sent twice
+        wait_for(  # the log is flushed a moment later
+            lambda: any(e["event"] == "job_taken_over_after_sending" for e in b.events()),
+            what="the takeover in b's log",
+        )
+    finally:
+        b.stop()
+
+
+def test_a_tool_answering_503_twice_then_200_completes_across_replicas(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    tool = FlakyTool(2)
+    with running(ThreadServer(tool.app)) as server:
+        proxies = [ProxyProcess(config(redis, server.url), tmp_path).start() for _ in range(2)]
+        try:
+            key = new_key(BODY)
+            location = post(proxies[0].url, key=key, **ASYNC).headers["location"]
+            done = until(proxies[1].url, location, "completed", "dead", "failed")
+            assert done["state"] == "completed" and done["attempts"] == 3
+            assert tool.calls[key] == 3
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+
+
+def test_a_tool_that_always_answers_503_ends_dead(redis: RedisServer, tmp_path: Path) -> None:
+    tool = FlakyTool(-1)
+    with running(ThreadServer(tool.app)) as server:
+        spec = config(redis, server.url)
+        spec["routes"][0]["async"]["attempts"] = 3
+        proxies = [ProxyProcess(spec, tmp_path).start() for _ in range(2)]
+        try:
+            key = new_key(BODY)
+            location = post(proxies[0].url, key=key, **ASYNC).headers["location"]
+            dead = until(proxies[1].url, location, "dead", "completed", "failed")
+            assert dead["state"] == "dead" and dead["attempts"] == 3
+            assert tool.calls[key] == 3
+        finally:
+            for proxy in proxies:
+                proxy.stop()
