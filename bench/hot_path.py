@@ -12,9 +12,11 @@ kernel are not in these numbers; ``bench/run`` measures them all together.
 Prints, for pass-through, first executions (a new key per request), replays (one key),
 first executions on a route with one rate limit (``first-exec-limited``, a quota no run
 reaches) and on a route with a resource lock (``first-exec-locked``, every call on the
-same resource, one after the other: each takes and frees the lock), the best of R rounds
-of N requests, in µs of CPU per request, and the limited and locked routes' overheads as
-ratios against the same run's plain first execution.
+same resource, one after the other: each takes and frees the lock), and cache hits (a
+route with ``cache``, no idempotency, the same request every time: after the warm-up's
+first call every request is answered from the cache), the best of R rounds of N requests,
+in µs of CPU per request; the limited and locked routes' overheads as ratios against the
+same run's plain first execution, and the cache hit's against its pass-through.
 """
 
 from __future__ import annotations
@@ -44,11 +46,20 @@ UPSTREAM_HEADERS = [
     (b"Content-Length", b"11"),
     (b"Connection", b"keep-alive"),
 ]
-SCENARIOS = ("passthrough", "first-exec", "replay", "first-exec-limited", "first-exec-locked")
+SCENARIOS = (
+    "passthrough",
+    "first-exec",
+    "replay",
+    "first-exec-limited",
+    "first-exec-locked",
+    "cache-hit",
+)
 # A rate no benchmark run reaches: every request is admitted, and pays for the check.
 BENCH_LIMIT = {"name": "rpm", "key": "principal", "rate": "1000000000/1s"}
 # Every call on one resource (the body's "tool"): taken and freed once per request.
 BENCH_LOCK = {"key": "json:/tool", "ttl": "30s", "wait": "10s"}
+# One answer for every caller of the route (no auth here): the same request is a hit.
+BENCH_CACHE = {"scope": "route", "ttl": "24h"}
 # The plans of first executions, never repeated in a run (a repeated one is a replay).
 _PLANS = itertools.count()
 
@@ -101,6 +112,7 @@ def make_app() -> App:
             "idempotency": {},
             "lock": BENCH_LOCK,
         },
+        {"name": "cached", "path_prefix": "/cached", "strip_prefix": True, "cache": BENCH_CACHE},
     ]
     upstream = "http://127.0.0.1:9"
     config = parse_config(
@@ -120,6 +132,7 @@ def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
         "passthrough": "/pass",
         "first-exec-limited": "/limited",
         "first-exec-locked": "/locked",
+        "cache-hit": "/cached",
     }
     path = paths.get(scenario, "/tool")
     out = []
@@ -228,3 +241,5 @@ if __name__ == "__main__":
         print(f"one rate limit: {ratio:.3f} x first-exec")
         ratio = best["first-exec-locked"] / best["first-exec"]
         print(f"one resource lock: {ratio:.3f} x first-exec")
+        ratio = best["cache-hit"] / best["passthrough"]
+        print(f"a cache hit: {ratio:.3f} x passthrough")

@@ -173,7 +173,16 @@ class Proxy:
         self.auth = Authenticator(config.auth) if config.auth else None
         self.tokens = _downstream_tokens(config, store)
         chains = {
-            r.name: build_chain(r, store, self.metrics, tasks, self.log) for r in config.routes
+            r.name: build_chain(
+                r,
+                store,
+                self.metrics,
+                tasks,
+                self.log,
+                offload=self.offload,
+                max_json_depth=self.max_json_depth,
+            )
+            for r in config.routes
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
         self.mcp = {
@@ -553,12 +562,14 @@ def call_seconds(route: RouteConfig) -> float:
     """The longest a call of ``route`` can take, from its arrival to its conclusion: the
     wait for a duplicate (conflict_wait), the claim, the token fetches and sends (two of
     each with ``token.retry_on_401``), the reconcile look-ups (at the failure, or on a
-    retry and then the execution after its ``not_found``), and the recording."""
+    retry and then the execution after its ``not_found``), the wait of a cache miss for
+    an identical call, and the recording."""
     token = route.token
     fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
     sends = 2 if token is not None and token.retry_on_401 else 1
     tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
     seconds = tokens + route.timeout * sends + route.limit_wait + route.resource_wait()
+    seconds += route.cache_wait()
     if route.idempotency is not None:
         seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
     if route.reconcile is not None:  # a retry's look-up, then the whole call; or one at failure

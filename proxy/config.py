@@ -465,6 +465,64 @@ class VersioningConfig(_Strict):
         return upper
 
 
+# How long a cached answer is served (routes[].cache.ttl), unless the tool says less.
+DEFAULT_CACHE_TTL = 24 * 3600.0
+# The methods whose answers are cached by default (HEAD never is: it has no body to keep).
+DEFAULT_CACHE_METHODS = ("GET", "POST")
+# Statuses cached by default: the successful ones that RFC 9111 lets a cache reuse
+# without explicit freshness (heuristically cacheable).
+DEFAULT_CACHE_STATUSES = (200, 203, 204)
+# What cache.statuses may hold: RFC 9111 4.2.2's heuristically cacheable statuses but 206
+# (the proxy does not combine ranges).
+CACHEABLE_STATUSES = frozenset({200, 203, 204, 300, 301, 308, 404, 405, 410, 414, 501})
+# The largest answer body the cache keeps (larger ones are passed on, not stored).
+DEFAULT_CACHE_MAX_BYTES = 10 * 1024 * 1024
+
+
+class CacheScope(StrEnum):
+    """Who shares a route's cached answers."""
+
+    PRINCIPAL = "principal"
+    """Each authenticated caller has its own (the route needs ``auth``)."""
+    ROUTE = "route"
+    """Every caller of the route gets the same cached answer for the same request."""
+
+
+class CacheConfig(_Strict):
+    """A response cache for a tool whose answer depends only on the request."""
+
+    ttl: Duration = DEFAULT_CACHE_TTL
+    scope: CacheScope = CacheScope.PRINCIPAL
+    methods: tuple[str, ...] = DEFAULT_CACHE_METHODS
+    statuses: tuple[int, ...] = DEFAULT_CACHE_STATUSES
+    wait: Wait | None = None
+    """How long identical misses wait for the one call to the tool; None: as long as that
+    call can take (``RouteConfig.cache_wait``). Past it, a waiter calls the tool itself."""
+    max_bytes: int = Field(default=DEFAULT_CACHE_MAX_BYTES, ge=0)
+
+    @field_validator("methods")
+    @classmethod
+    def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        upper = tuple(m.upper() for m in methods)
+        for method in upper:
+            if not _METHOD.fullmatch(method):
+                raise ValueError(f"not an HTTP method: {method!r}")
+            if method == "HEAD":
+                raise ValueError("HEAD is never cached (its answer has no body to keep)")
+        if not upper:
+            raise ValueError("at least one method must be cached")
+        return upper
+
+    @field_validator("statuses")
+    @classmethod
+    def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
+        for status in check_statuses(statuses):
+            if status not in CACHEABLE_STATUSES:
+                allowed = ", ".join(str(s) for s in sorted(CACHEABLE_STATUSES))
+                raise ValueError(f"{status} is not safe to reuse; cacheable: {allowed}")
+        return statuses
+
+
 class RouteProtocol(StrEnum):
     """What a route's requests are: plain HTTP calls, or MCP (JSON-RPC over Streamable HTTP)."""
 
@@ -626,6 +684,39 @@ class RouteConfig(_Strict):
                 "response to replay)"
             )
         return self
+
+    cache: CacheConfig | None = None
+
+    @model_validator(mode="after")
+    def _cache_fits_the_route(self) -> RouteConfig:
+        cache = self.cache
+        if cache is None:
+            return self
+        if cache.scope is CacheScope.PRINCIPAL and self.auth is None:
+            raise ValueError(
+                "cache.scope: principal needs the route's auth (a caller); scope: route "
+                "shares the cached answers between all callers"
+            )
+        if self.protocol is RouteProtocol.MCP:
+            raise ValueError("cache: not on protocol: mcp routes (an answer holds its call's id)")
+        written = set(cache.methods) & set(
+            () if self.versioning is None else self.versioning.methods
+        )
+        if written:
+            raise ValueError(
+                f"cache.methods: {min(written)} is a versioned write (versioning.methods); "
+                "a cached answer would skip its precondition"
+            )
+        return self
+
+    def cache_wait(self) -> float:
+        """The longest a cache miss waits for an identical call's answer: by default as
+        long as that call can take (the send, and the waits of limits and resources)."""
+        if self.cache is None:
+            return 0.0
+        if self.cache.wait is not None:
+            return self.cache.wait
+        return self.timeout + self.limit_wait + self.resource_wait()
 
     @field_validator("limits")
     @classmethod

@@ -104,6 +104,17 @@ class Metrics:
             ["route", "policy", "decision"],
             registry=self.registry,
         )
+        self._cache_decisions = Counter(
+            "tool_proxy_cache_decisions",
+            "Response cache decisions, by route and decision: hit, collapsed (a miss that "
+            "got the answer of an identical call in flight), stored, uncacheable (passed on, "
+            "not stored), bypass (the request said no-store, or its body has no digest), "
+            "waited_out (called the tool itself after cache.wait), not_kept (the body was not "
+            "read whole, or was too large), store_down.",
+            ["route", "decision"],
+            registry=self.registry,
+        )
+        self._cache_series: dict[tuple[str, str], Counter] = {}
         # The labelled children, looked up once per distinct label set (a dict hit after).
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
@@ -138,6 +149,16 @@ class Metrics:
     def resource_decision(self, route: str, policy: str, decision: str) -> None:
         """Count one decision of a resource lock or of versioning."""
         self._resource_decisions.labels(route, policy, decision).inc()
+
+    def cache_decision(self, route: str, decision: str) -> None:
+        """Count one decision of a route's response cache (on every hit: the labelled
+        child is looked up once)."""
+        child = self._cache_series.get((route, decision))
+        if child is None:
+            child = self._cache_series[route, decision] = self._cache_decisions.labels(
+                route, decision
+            )
+        child.inc()
 
     def exposition(self) -> bytes:
         """The text format, from every worker when several share the server."""

@@ -88,7 +88,8 @@ class CountingTool:
 
     Query parameters shape the answer: ``delay`` (seconds), ``status``, ``size`` (a
     streamed body of that many bytes, ``chunk_delay`` seconds between 64 KiB chunks),
-    ``cookie`` (adds Set-Cookie), ``retry_after`` (adds Retry-After), ``usage`` (adds
+    ``cookie`` (adds Set-Cookie), ``retry_after`` (adds Retry-After), ``cache_control``
+    and ``vary`` (add Cache-Control and Vary), ``usage`` (adds
     ``"usage": {"total_tokens": <usage>}`` to the JSON answer). ``in_flight`` counts the
     requests being handled now, ``most_in_flight`` the most at once.
     """
@@ -148,6 +149,9 @@ class CountingTool:
             headers["Retry-After"] = query["retry_after"]
         if "cookie" in query:
             headers["Set-Cookie"] = "session=secret-session; Path=/"
+        for name in ("cache_control", "vary"):  # e.g. ?cache_control=max-age=60
+            if name in query:
+                headers[name.replace("_", "-").title()] = query[name]
         if "size" in query:
             size = int(query["size"])
             pause = float(query.get("chunk_delay", 0))

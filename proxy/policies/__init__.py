@@ -9,10 +9,12 @@
     Chain      a route's policies, built once at start-up from its configuration;
                ``build_chain`` gives None for a route without any: it pays nothing
 
-The policies: ``lock`` (one call at a time per resource, with fencing tokens),
+The policies: ``cache`` (answers served again without calling the tool, one call for
+identical misses), ``lock`` (one call at a time per resource, with fencing tokens),
 ``versioning`` (ETags and If-Match for tools without them), ``limits`` (rates,
-concurrency, token costs, the tool's own pauses), in that order around the send: a call
-waits for its resource before it takes from the limits.
+concurrency, token costs, the tool's own pauses), in that order around the send: a cache
+hit takes no lock and no quota, and a call waits for its resource before it takes from
+the limits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from proxy.background import TaskSet
 from proxy.config import RouteConfig
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
+from proxy.offload import Offload
 from proxy.store import Store
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
@@ -86,10 +89,24 @@ class Chain:
 
 
 def build_chain(
-    route: RouteConfig, store: Store, metrics: Metrics, tasks: TaskSet, log: Any
+    route: RouteConfig,
+    store: Store,
+    metrics: Metrics,
+    tasks: TaskSet,
+    log: Any,
+    *,
+    offload: Offload | None = None,
+    max_json_depth: int | None = None,
 ) -> Chain | None:
-    """The route's chain from its configuration; None if it has no policy."""
+    """The route's chain from its configuration; None if it has no policy. ``offload``
+    keeps large cached answers; ``max_json_depth`` is ``limits.max_json_depth``."""
     policies: list[Policy] = []
+    if route.cache is not None:  # outermost: a hit takes no lock and no quota
+        from proxy.policies.cache import Cache
+
+        policies.append(
+            Cache(route, store, metrics, tasks, log, offload=offload, max_json_depth=max_json_depth)
+        )
     if route.lock is not None or route.versioning is not None:
         from proxy.store import make_locks
 

@@ -1,0 +1,536 @@
+"""The response cache: a tool whose answer depends only on the request (inference, code
+analysis, look-ups) answers each distinct request once; the same request again gets the
+stored answer, without calling the tool.
+
+Per call of a cached method, the outermost policy around the send (a hit takes no lock
+and no quota; on a guarded route it runs after the claim, so a duplicate's 409 or replay
+comes first, and a hit is recorded as the outcome of its own key)::
+
+    Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
+    the key: method, path, query, the body's RFC 8785 digest, the principal (scope)
+      └─▶ the entry (``no-cache`` or ``max-age`` on the request: too old for it)
+            ├─ fresh, same Vary ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
+            ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
+            └─ none ──▶ take the key's fill lock in the store (one call across replicas)
+                  ├─ taken ──▶ forward ──▶ cacheable: stored once its body is read,
+                  │                        then the lock freed; else a mark, then freed
+                  └─ held ──▶ poll the entry (5 ms to 50 ms) up to cache.wait:
+                        the answer (fwd=miss; collapsed); a mark or the lock free: as
+                        above; past the wait: call the tool itself (fwd=miss)
+
+The cache fails open: a store that cannot be reached, an entry that cannot be read, an
+offloaded body that is gone: the call is forwarded (the tool answers as it would have).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from proxy.asgi import RawHeaders
+from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS
+from proxy.background import TaskSet
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, TokenMode
+from proxy.errors import (
+    BadRequest,
+    OffloadUnavailable,
+    StoredResponseUnavailable,
+    StoreError,
+    StoreUnavailable,
+)
+from proxy.forwarding import UpstreamResponse
+from proxy.keys import Canonicalization, fingerprint
+from proxy.metrics import Metrics
+from proxy.offload import Offload, Spool
+from proxy.outcome import StoredResponse
+from proxy.policies import Context, Forward
+from proxy.store import Store
+
+# The fill lock outlives the longest call of the route by this (the answer is stored
+# before the lock is freed); a replica that dies filling frees it when it lapses.
+FILL_MARGIN_SECONDS = 5.0
+# How long a "not cacheable" mark lets identical misses call the tool without waiting
+# (the waiters of the call that made it go at once).
+MARK_SECONDS = 5.0
+# The first pause between two reads of an entry being filled, doubled up to the longest.
+FIRST_POLL_SECONDS = 0.005
+MAX_POLL_SECONDS = 0.05
+
+HEADER = b"cache-status"
+HIT = b"tool-proxy; hit"
+_MARK = b"uncacheable"
+_VERSION = b"c1"
+# Never kept with a cached answer: it gets its own Age.
+_NOT_KEPT = frozenset({b"age"})
+
+
+def _field(headers: RawHeaders, name: bytes) -> str:
+    """Every value of ``name`` (lower case) in ``headers``, joined by commas."""
+    return ",".join(v.decode("latin-1") for k, v in headers if k.lower() == name)
+
+
+def directives(field: str) -> dict[str, str]:
+    """A Cache-Control field as ``{directive: argument}`` (names lower case)."""
+    out: dict[str, str] = {}
+    for part in field.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip().lower()
+        if name:
+            out.setdefault(name, value.strip().strip('"'))
+    return out
+
+
+def _seconds(value: str) -> int:
+    """A delta-seconds argument; an invalid one counts as 0 (RFC 9111 1.2.2: stale)."""
+    return int(value) if value.isdigit() else 0
+
+
+def status(fwd: bytes, *params: bytes) -> bytes:
+    """A Cache-Status member of this cache (RFC 9211)."""
+    return b"; ".join((b"tool-proxy", b"fwd=" + fwd, *params))
+
+
+def encode_entry(stored_at: float, vary: RawHeaders, stored: StoredResponse) -> bytes:
+    """``c1 <stored at>``, the request's Vary fields as lines, a blank line, the answer
+    (``StoredResponse.encode``)."""
+    lines = [b"%s %.3f" % (_VERSION, stored_at), *(k + b": " + v for k, v in vary)]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + stored.encode()
+
+
+def decode_entry(value: bytes) -> tuple[float, RawHeaders, StoredResponse]:
+    """``StoreError`` if the value is not an entry."""
+    head, _, payload = value.partition(b"\r\n\r\n")
+    first, *lines = head.split(b"\r\n")
+    version, _, at = first.partition(b" ")
+    if version != _VERSION:
+        raise StoreError("a cached answer is malformed")
+    try:
+        stored_at = float(at)
+    except ValueError as exc:
+        raise StoreError("a cached answer is malformed") from exc
+    vary = [(name, value) for name, _, value in (line.partition(b": ") for line in lines)]
+    return stored_at, vary, StoredResponse.decode(payload)
+
+
+class Cached(UpstreamResponse):
+    """A stored answer, served as if the tool had just sent it."""
+
+    def __init__(self, stored: StoredResponse, body: bytes | AsyncIterator[bytes]) -> None:
+        headers = [(k, v) for k, v in stored.headers if k.lower() not in _NOT_KEPT]
+        size = len(body) if isinstance(body, bytes) else (stored.ref.size if stored.ref else None)
+        super().__init__(stored.status, headers, size, None)  # type: ignore[arg-type]
+        self._body = body
+
+    async def read(self) -> bytes:
+        if isinstance(self._body, bytes):
+            return self._body
+        return b"".join([chunk async for chunk in self._body])
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        if isinstance(self._body, bytes):
+            yield self._body
+            return
+        async for chunk in self._body:
+            yield chunk
+
+
+Kept = Callable[[bytes | Spool | None], asyncio.Task[None] | None]
+"""Called once the answer's body has been read: the body (None: not whole, or too large);
+gives the task that stores it, if any."""
+
+
+class Filling(UpstreamResponse):
+    """A cacheable answer on its way to the caller, kept (up to ``limit`` bytes, in a
+    spool: memory, then a file) as it is read. Its end (the last chunk) reaches the caller
+    once it is stored: the same request sent right after it is a hit."""
+
+    def __init__(self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept) -> None:
+        super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
+        self._upstream = upstream
+        self._limit = limit
+        self._spool = spool
+        self._kept: Kept | None = kept
+
+    def _end(self, body: bytes | Spool | None) -> asyncio.Task[None] | None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            return kept(body)
+        if isinstance(body, Spool):
+            body.close()
+        return None
+
+    async def read(self) -> bytes:
+        body = None
+        try:
+            body = await self._upstream.read()
+        finally:
+            storing = self._end(body if body is not None and len(body) <= self._limit else None)
+        if storing is not None:
+            await asyncio.wait({storing})  # its errors are its own; it outlives a cancel
+        return body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        spool: Spool | None = Spool(self._spool)
+        held: bytes | None = None
+        whole = False
+        try:
+            async for chunk in self._upstream.stream():
+                if held is not None:
+                    yield held
+                if spool is not None:
+                    spool = self._write(spool, chunk)
+                held = chunk
+            whole = True
+        finally:
+            if spool is not None and not whole:
+                spool.close()
+                spool = None
+            storing = self._end(spool)
+        if storing is not None:
+            await asyncio.wait({storing})
+        if held is not None:
+            yield held
+
+    def _write(self, spool: Spool, chunk: bytes) -> Spool | None:
+        """The spool with ``chunk``; None (closed) once it is too large or fails."""
+        if spool.size + len(chunk) <= self._limit:
+            try:
+                spool.write(chunk)
+                return spool
+            except OSError:
+                pass
+        spool.close()
+        return None
+
+
+class Cache:
+    """The response cache of one route."""
+
+    def __init__(
+        self,
+        route: RouteConfig,
+        store: Store,
+        metrics: Metrics,
+        tasks: TaskSet,
+        log: Any,
+        *,
+        offload: Offload | None = None,
+        max_json_depth: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        assert route.cache is not None
+        config = route.cache
+        self.route = route.name
+        self.store = store
+        self.metrics = metrics
+        self.tasks = tasks
+        self.log = log
+        self.offload = offload
+        self.clock = clock
+        self.methods = frozenset(config.methods)
+        self.statuses = frozenset(config.statuses)
+        self.ttl = config.ttl
+        self.per_principal = config.scope is CacheScope.PRINCIPAL
+        self.wait = route.cache_wait()
+        self.max_bytes = min(config.max_bytes, store.max_payload_bytes)
+        self.fill_ttl = fill_seconds(route)
+        self.max_depth = max_json_depth
+        idempotency = route.idempotency
+        self.canonicalization = (
+            Canonicalization.JCS if idempotency is None else idempotency.canonicalization
+        )
+        self._spool = offload.threshold if offload else DEFAULT_OFFLOAD_THRESHOLD
+        self._owners = (f"{secrets.token_hex(8)}.{n}" for n in range(1 << 62))
+
+    def wrap(self, context: Context, forward: Forward) -> Forward:
+        if context.request.method not in self.methods:
+            return forward
+
+        async def cached() -> UpstreamResponse:
+            asked = directives(_field(context.request.scope["headers"], b"cache-control"))
+            if "no-store" in asked:
+                return await self._bypass(context, forward, b"request", b"detail=no-store")
+            try:
+                key = self.key(context)
+            except BadRequest:  # a body that has no digest: never cached, passed on
+                return await self._bypass(context, forward, b"bypass", b"detail=body")
+            max_age = None  # how old an answer the caller takes; -1: none (a fresh call)
+            if "no-cache" in asked:
+                max_age = -1
+            elif "max-age" in asked:
+                max_age = _seconds(asked["max-age"]) or -1
+            return await self._lookup(context, key, forward, max_age)
+
+        return cached
+
+    def key(self, context: Context) -> str:
+        """``cache|<route>|<digest>`` of the method, path, query and the body's canonical
+        digest, and the principal for ``scope: principal``."""
+        scope = context.request.scope
+        body = fingerprint(
+            context.body,
+            context.request.header(b"content-type"),
+            self.canonicalization,
+            self.max_depth,
+        )
+        who = context.principal.encode() if self.per_principal else b"*"
+        path: bytes = scope.get("raw_path") or scope["path"].encode()
+        material = b"\n".join(
+            (who, context.request.method.encode(), path, scope["query_string"], body.encode())
+        )
+        return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
+
+    async def _bypass(
+        self, context: Context, forward: Forward, fwd: bytes, detail: bytes
+    ) -> UpstreamResponse:
+        self.metrics.cache_decision(self.route, "bypass")
+        context.headers.append((HEADER, status(fwd, detail)))
+        return await forward()
+
+    async def _lookup(
+        self, context: Context, key: str, forward: Forward, max_age: int | None
+    ) -> UpstreamResponse:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        pause = FIRST_POLL_SECONDS
+        owner = next(self._owners)
+        waited = False
+        while True:
+            try:
+                value, filling = await self._read(key, owner)
+            except StoreUnavailable as exc:
+                return await self._store_down(context, forward, exc)
+            if filling:
+                return await self._fill(context, key, forward, owner)
+            if value is not None:
+                return await self._answer(context, key, forward, value, max_age, waited)
+            left = deadline - loop.time()
+            if left <= 0:
+                self.metrics.cache_decision(self.route, "waited_out")
+                self.log.warning("cache_wait_ended", route=self.route, waited=self.wait)
+                return await self._forward(context, key, forward, b"miss")
+            waited = True
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, MAX_POLL_SECONDS)
+
+    async def _read(self, key: str, owner: str) -> tuple[bytes | None, bool]:
+        """The entry (or mark); else None, and True if this call now holds the fill lock
+        (False: another call holds it, on some replica)."""
+        value = await self.store.get_value(key)
+        if value is not None or not await self.store.acquire(key, owner, self.fill_ttl):
+            return value, False
+        value = await self.store.get_value(key)  # filled between the first read and the lock?
+        if value is None:
+            return None, True
+        self._unlock(key, owner)
+        return value, False
+
+    async def _answer(
+        self,
+        context: Context,
+        key: str,
+        forward: Forward,
+        value: bytes,
+        max_age: int | None,
+        waited: bool,
+    ) -> UpstreamResponse:
+        """The stored answer; or, for a mark or an entry this request cannot take, a call."""
+        if value == _MARK:
+            return await self._forward(context, key, forward, b"miss")
+        found = await self._hit(context, value, max_age, waited)
+        if isinstance(found, UpstreamResponse):
+            return found
+        return await self._forward(context, key, forward, found)
+
+    async def _hit(
+        self, context: Context, value: bytes, max_age: int | None, collapsed: bool
+    ) -> UpstreamResponse | bytes:
+        """The stored answer as a response; else the RFC 9211 fwd value of why not."""
+        try:
+            stored_at, vary, stored = decode_entry(value)
+        except StoreError:
+            self.log.warning("cached_answer_malformed", route=self.route)
+            return b"miss"
+        age = max(0, math.floor(self.clock() - stored_at))
+        if max_age is not None and age > max_age:
+            return b"request"
+        headers = context.request.scope["headers"]
+        if any(_field(headers, name) != wanted.decode("latin-1") for name, wanted in vary):
+            return b"vary-miss"
+        body: bytes | AsyncIterator[bytes] = stored.body
+        if stored.ref is not None:
+            try:
+                if self.offload is None:
+                    raise StoredResponseUnavailable("no object store is configured now")
+                body = await self.offload.get(stored.ref)
+            except StoredResponseUnavailable as exc:
+                self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
+                return b"miss"
+        if collapsed:
+            self.metrics.cache_decision(self.route, "collapsed")
+            context.headers.append((HEADER, status(b"miss", b"collapsed")))
+        else:
+            self.metrics.cache_decision(self.route, "hit")
+            context.headers.append((HEADER, HIT))
+        context.headers.append((b"age", str(age).encode()))  # the caller's, never recorded
+        return Cached(stored, body)
+
+    async def _store_down(
+        self, context: Context, forward: Forward, exc: StoreUnavailable
+    ) -> UpstreamResponse:
+        self.metrics.cache_decision(self.route, "store_down")
+        self.log.warning("cache_store_unavailable", route=self.route, error=exc.detail)
+        context.headers.append((HEADER, status(b"miss", b"detail=store-unavailable")))
+        return await forward()
+
+    async def _fill(
+        self, context: Context, key: str, forward: Forward, owner: str
+    ) -> UpstreamResponse:
+        """The one call of identical misses: its waiters read its answer from the store."""
+        try:
+            upstream = await forward()
+        except BaseException:
+            self._give_up(key, owner)
+            raise
+        return self._keep(context, key, upstream, b"miss", owner)
+
+    async def _forward(
+        self, context: Context, key: str, forward: Forward, fwd: bytes
+    ) -> UpstreamResponse:
+        """A call of its own (no fill lock): its answer is stored if it can be."""
+        return self._keep(context, key, await forward(), fwd, "")
+
+    def _keep(
+        self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
+    ) -> UpstreamResponse:
+        """``upstream``, stored once read if it is cacheable (then ``stored``)."""
+        ttl, why = self._freshness(upstream)
+        if why:
+            self.metrics.cache_decision(self.route, "uncacheable")
+            context.headers.append((HEADER, status(fwd, b"detail=" + why)))
+            if owner:
+                self._give_up(key, owner)
+            return upstream
+        self.metrics.cache_decision(self.route, "stored")
+        context.headers.append((HEADER, status(fwd, b"stored")))
+        vary = [
+            (name, _field(context.request.scope["headers"], name).encode("latin-1"))
+            for name in _vary(upstream.headers)
+        ]
+        return Filling(
+            upstream,
+            self.max_bytes,
+            self._spool,
+            lambda body: self._kept(key, owner, upstream, vary, ttl, body),
+        )
+
+    def _freshness(self, upstream: UpstreamResponse) -> tuple[float, bytes]:
+        """How long the answer may be served, and b"" ; or (0, why it is not stored)."""
+        if upstream.status not in self.statuses:
+            return 0.0, b"status"
+        told = directives(_field(upstream.headers, b"cache-control"))
+        for directive in ("no-store", "no-cache"):
+            if directive in told:
+                return 0.0, directive.encode()
+        if "private" in told and not self.per_principal:
+            return 0.0, b"private"
+        if b"*" in _vary(upstream.headers):
+            return 0.0, b"vary"
+        if upstream.length is not None and upstream.length > self.max_bytes:
+            return 0.0, b"too-large"
+        ttl = self.ttl
+        for directive in ("s-maxage", "max-age"):  # a shared cache: s-maxage first
+            if directive in told:
+                ttl = min(ttl, _seconds(told[directive]))
+                break
+        return (ttl, b"") if ttl > 0 else (0.0, b"max-age")
+
+    def _kept(
+        self,
+        key: str,
+        owner: str,
+        upstream: UpstreamResponse,
+        vary: RawHeaders,
+        ttl: float,
+        body: bytes | Spool | None,
+    ) -> asyncio.Task[None] | None:
+        if body is None:
+            self.metrics.cache_decision(self.route, "not_kept")
+            if owner:
+                self._give_up(key, owner)
+            return None
+        return self.tasks.spawn(self._put(key, owner, upstream, vary, ttl, body))
+
+    async def _put(
+        self,
+        key: str,
+        owner: str,
+        upstream: UpstreamResponse,
+        vary: RawHeaders,
+        ttl: float,
+        body: bytes | Spool,
+    ) -> None:
+        """Store the answer (its body in object storage when large), then free the lock."""
+        try:
+            size = body.size if isinstance(body, Spool) else len(body)
+            stored = StoredResponse.of(upstream.status, upstream.headers, b"")
+            if self.offload is not None and self.offload.wants(size):
+                stored = stored.offloaded(await self.offload.put(self.route, body, keep_for=ttl))
+            else:
+                stored = stored.with_body(body.whole() if isinstance(body, Spool) else body)
+            await self.store.put_value(key, encode_entry(self.clock(), vary, stored), ttl)
+        except (StoreUnavailable, OffloadUnavailable, OSError) as exc:
+            error = str(getattr(exc, "detail", exc))
+            self.log.warning("cache_not_stored", route=self.route, error=error)
+            if owner:
+                await self._mark(key)
+        finally:
+            if isinstance(body, Spool):
+                body.close()
+            if owner:  # its waiters read the entry: the caller need not wait for this
+                self._unlock(key, owner)
+
+    def _give_up(self, key: str, owner: str) -> None:
+        """The fill ends without an answer to store: mark it, so that its waiters call the
+        tool themselves at once, and free the lock (in the background)."""
+        self.tasks.spawn(self._mark_and_free(key, owner))
+
+    async def _mark_and_free(self, key: str, owner: str) -> None:
+        await self._mark(key)
+        await self._free(key, owner)
+
+    async def _mark(self, key: str) -> None:
+        try:
+            await self.store.put_value(key, _MARK, MARK_SECONDS)
+        except StoreUnavailable as exc:
+            self.log.warning("cache_mark_failed", route=self.route, error=exc.detail)
+
+    def _unlock(self, key: str, owner: str) -> None:
+        self.tasks.spawn(self._free(key, owner))
+
+    async def _free(self, key: str, owner: str) -> None:
+        try:
+            await self.store.unlock(key, owner)
+        except StoreUnavailable as exc:  # it lapses after fill_ttl
+            self.log.warning("cache_unlock_failed", route=self.route, error=exc.detail)
+
+
+def fill_seconds(route: RouteConfig) -> float:
+    """The fill lock's lease: the longest the one call can take (its sends, token fetches,
+    the waits of the policies inside the cache), and FILL_MARGIN_SECONDS to store it."""
+    token = route.token
+    sends = 2 if token is not None and token.retry_on_401 else 1
+    fetches = token is not None and token.mode is not TokenMode.PASSTHROUGH
+    seconds = (route.timeout + (TOKEN_TIMEOUT_SECONDS if fetches else 0.0)) * sends
+    return seconds + route.limit_wait + route.resource_wait() + FILL_MARGIN_SECONDS
+
+
+def _vary(headers: RawHeaders) -> list[bytes]:
+    """The request fields a response varies on (lower case), ``*`` included."""
+    field = _field(headers, b"vary")
+    return [name.strip().lower().encode("latin-1") for name in field.split(",") if name.strip()]

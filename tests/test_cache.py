@@ -1,0 +1,523 @@
+"""The response cache (proxy/policies/cache.py): hits and misses, Cache-Control both
+ways, statuses, Vary, single-flight, offload, scoping by principal.
+
+In-process proxies (memory, SQLite, Redis stores) for the behaviour; real ``tool-proxy
+serve`` processes sharing a real Redis for what replicas share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import structlog
+
+from proxy.app import create_app
+from proxy.asgi import Incoming
+from proxy.background import TaskSet
+from proxy.config import parse_config
+from proxy.errors import ConfigError, OutcomeUnknown, StoreUnavailable
+from proxy.forwarding import UpstreamResponse
+from proxy.metrics import Metrics
+from proxy.outcome import StoredResponse
+from proxy.policies import Context
+from proxy.policies.cache import Cache, decode_entry, directives, encode_entry
+from proxy.store.memory import MemoryStore
+from tests.conftest import Clock, ProxyFactory, new_key, route
+from tests.idp import IdentityProvider
+from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
+from tests.test_auth import auth_config
+from tests.test_cli import cli, write
+from tests.test_offload import BUCKET, S3, expected, s3_offload
+
+BODY = {"prompt": "summarise", "doc": 7}
+HIT = "tool-proxy; hit"
+STORED = "tool-proxy; fwd=miss; stored"
+
+
+def cached(upstream: str, guarded: bool = False, **cache: Any) -> dict[str, Any]:
+    spec = route(upstream, guarded=guarded)
+    spec["cache"] = {"scope": "route", **cache}
+    return spec
+
+
+def ask(
+    base: str,
+    query: str = "",
+    body: Any = BODY,
+    headers: dict[str, str] | None = None,
+    path: str = "/tools/infer",
+) -> httpx.Response:
+    sent = {"content-type": "application/json", **(headers or {})}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{base}{path}{query}", content=content, headers=sent, timeout=30)
+
+
+def cache_status(answer: httpx.Response) -> str:
+    return str(answer.headers.get("cache-status", ""))
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3]:
+    """moto's S3 server with one bucket (as in tests/test_offload.py)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = S3()
+    server.server.start()
+    httpx.post(f"{server.endpoint}/moto-api/reset")
+    server.client().create_bucket(Bucket=BUCKET)
+    yield server
+    server.server.stop()
+
+
+@pytest.fixture
+def clocked(tmp_path: Path) -> Iterator[Any]:
+    """An in-process proxy on a memory store and a cache that both run on a Clock."""
+    started: list[ThreadServer] = []
+
+    def make(*routes: dict[str, Any], clock: Clock) -> ThreadServer:
+        config = parse_config(
+            {"store": {"url": "memory://"}, "routes": list(routes), "state_dir": str(tmp_path)},
+            env={},
+        )
+        app = create_app(config, store=MemoryStore(clock))
+        for chain in app.proxy.chains.values():
+            for policy in chain.policies:
+                if hasattr(policy, "clock"):
+                    policy.clock = clock
+        server = ThreadServer(app, proxy_protocol=True).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_cache_keys_are_checked_each_naming_its_field() -> None:
+    bad = cached("http://h", ttl=0, scope="everyone", methods=["HEAD"], statuses=[500], x=1)
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": [bad]}, env={})
+    fields = [p.split(":", 1)[0] for p in caught.value.problems]
+    for field in (
+        "routes[0].cache.ttl",
+        "routes[0].cache.scope",
+        "routes[0].cache.methods",
+        "routes[0].cache.statuses",
+        "routes[0].cache.x",
+    ):
+        assert field in fields, caught.value.problems
+    with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache.scope: principal needs"):
+        parse_config({"routes": [cached("http://h", scope="principal")]}, env={})
+    mcp = {**cached("http://h"), "protocol": "mcp"}
+    with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache: not on protocol: mcp"):
+        parse_config({"routes": [mcp]}, env={})
+    versioned = {**cached("http://h"), "versioning": {"key": "path:0"}}
+    with pytest.raises(ConfigError, match=r"cache.methods: POST is a versioned write"):
+        parse_config({"routes": [versioned]}, env={})
+    good = parse_config({"routes": [cached("http://h", ttl="1h", methods=["post"])]}, env={})
+    cache = good.routes[0].cache
+    assert cache is not None and cache.ttl == 3600 and cache.methods == ("POST",)
+    assert cache.statuses == (200, 203, 204) and good.routes[0].cache_wait() == 10.0
+
+
+def test_check_config_names_the_cache_fields(tmp_path: Path) -> None:
+    bad = cached("http://h", ttl="soon", statuses=[201])
+    result = cli("check-config", write(tmp_path, {"routes": [bad]}))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "routes[0].cache.ttl: not a duration" in result.stderr
+    assert "routes[0].cache.statuses: 201 is not safe to reuse" in result.stderr
+
+
+# -- units ----------------------------------------------------------------------------------
+
+
+def test_cache_control_directives_and_entries_round_trip() -> None:
+    assert directives('no-cache, Max-Age="60", private=x') == {
+        "no-cache": "",
+        "max-age": "60",
+        "private": "x",
+    }
+    stored = StoredResponse(200, [(b"content-type", b"application/json")], b"{}\r\n\r\nx")
+    entry = encode_entry(12.5, [(b"accept-language", b"de")], stored)
+    assert decode_entry(entry) == (12.5, [(b"accept-language", b"de")], stored)
+    assert decode_entry(encode_entry(1.0, [], stored))[2] == stored
+
+
+# -- hits and misses ------------------------------------------------------------------------
+
+
+def test_a_repeated_request_is_a_hit_served_without_calling_the_tool(
+    store_url: str, make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url), store=store_url)
+    first = ask(proxy.url)
+    assert first.status_code == 200 and cache_status(first) == STORED
+    again = ask(proxy.url)
+    assert again.status_code == 200 and cache_status(again) == HIT
+    assert again.content == first.content and again.headers["age"] == "0"
+    assert again.headers["x-tool"] == "counting"
+    reordered = ask(proxy.url, body=b'{ "doc": 7,  "prompt": "summarise" }')  # RFC 8785
+    assert cache_status(reordered) == HIT
+    assert tool.total == 1
+    for other in (
+        ask(proxy.url, "?v=2"),
+        ask(proxy.url, body={"doc": 8}),
+        ask(proxy.url, path="/tools/x"),
+    ):
+        assert cache_status(other) == STORED
+    assert httpx.get(proxy.url + "/tools/infer").headers["cache-status"] == STORED  # GET too
+    assert tool.total == 5
+
+
+def test_methods_not_cached_pass_without_a_cache_status(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, methods=["POST"]))
+    for _ in range(2):
+        answer = httpx.put(proxy.url + "/tools/infer", json=BODY)
+        assert answer.status_code == 200 and "cache-status" not in answer.headers
+    assert tool.total == 2
+
+
+def test_request_no_cache_forces_a_fresh_call_and_stores_it(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    assert ask(proxy.url).json()["execution"] == 1
+    fresh = ask(proxy.url, headers={"cache-control": "no-cache"})
+    assert cache_status(fresh) == "tool-proxy; fwd=request; stored"
+    assert fresh.json()["execution"] == 2
+    assert ask(proxy.url, headers={"cache-control": "max-age=0"}).json()["execution"] == 3
+    later = ask(proxy.url)
+    assert cache_status(later) == HIT and later.json()["execution"] == 3
+    assert ask(proxy.url, headers={"cache-control": "max-age=60"}).json()["execution"] == 3
+
+
+def test_request_no_store_skips_the_cache_both_ways(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    skipped = ask(proxy.url, headers={"cache-control": "no-store"})
+    assert cache_status(skipped) == "tool-proxy; fwd=request; detail=no-store"
+    assert cache_status(ask(proxy.url)) == STORED  # nothing was stored by it
+    again = ask(proxy.url, headers={"cache-control": "no-store"})
+    assert again.json()["execution"] == 3  # nor was the stored answer used
+    assert tool.total == 3
+
+
+@pytest.mark.parametrize(
+    ("query", "detail"),
+    [
+        ("?cache_control=no-store", "no-store"),
+        ("?cache_control=no-cache", "no-cache"),
+        ("?cache_control=private", "private"),
+        ("?cache_control=max-age=0", "max-age"),
+        ("?vary=*", "vary"),
+        ("?status=500", "status"),
+        ("?status=404", "status"),
+        ("?status=201", "status"),
+    ],
+)
+def test_answers_that_may_not_be_reused_are_passed_on_and_not_stored(
+    make_proxy: ProxyFactory, tool: CountingTool, query: str, detail: str
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    for _ in range(2):
+        answer = ask(proxy.url, query)
+        assert cache_status(answer) == f"tool-proxy; fwd=miss; detail={detail}"
+    assert tool.total == 2
+
+
+def test_statuses_can_add_the_other_cacheable_ones(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, statuses=[200, 404]))
+    assert cache_status(ask(proxy.url, "?status=404")) == STORED
+    missing = ask(proxy.url, "?status=404")
+    assert missing.status_code == 404 and cache_status(missing) == HIT
+    assert tool.total == 1
+
+
+def test_max_age_of_the_answer_shortens_its_life_and_age_is_sent(
+    clocked: Any, tool: CountingTool
+) -> None:
+    clock = Clock()
+    proxy = clocked(cached(tool.url, ttl="1h"), clock=clock)
+    assert cache_status(ask(proxy.url, "?cache_control=max-age=60")) == STORED
+    clock.now += 59
+    hit = ask(proxy.url, "?cache_control=max-age=60")
+    assert cache_status(hit) == HIT and hit.headers["age"] == "59"
+    clock.now += 2
+    assert cache_status(ask(proxy.url, "?cache_control=max-age=60")) == STORED
+    assert cache_status(ask(proxy.url)) == STORED  # no max-age: the route's ttl
+    clock.now += 3599
+    assert cache_status(ask(proxy.url)) == HIT
+    clock.now += 2
+    assert cache_status(ask(proxy.url)) == STORED
+    assert tool.total == 4
+
+
+def test_an_answer_that_varies_is_reused_only_for_the_same_request_fields(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    german = {"accept-language": "de"}
+    assert cache_status(ask(proxy.url, "?vary=Accept-Language", headers=german)) == STORED
+    assert cache_status(ask(proxy.url, "?vary=Accept-Language", headers=german)) == HIT
+    french = ask(proxy.url, "?vary=Accept-Language", headers={"accept-language": "fr"})
+    assert cache_status(french) == "tool-proxy; fwd=vary-miss; stored"
+    assert tool.total == 2
+
+
+def test_a_body_without_a_digest_is_passed_on_uncached(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    broken = ask(proxy.url, body=b'{"prompt": ')
+    assert broken.status_code == 200
+    assert cache_status(broken) == "tool-proxy; fwd=bypass; detail=body"
+
+
+# -- with idempotency -----------------------------------------------------------------------
+
+
+def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, guarded=True))
+    first_key, second_key = new_key(BODY), new_key(BODY)
+    first = ask(proxy.url, headers={"idempotency-key": first_key})
+    assert cache_status(first) == STORED
+    second = ask(proxy.url, headers={"idempotency-key": second_key})
+    assert cache_status(second) == HIT and second.content == first.content
+    replay = ask(proxy.url, headers={"idempotency-key": second_key})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert "cache-status" not in replay.headers  # a replay of its record, not a hit
+    assert "age" not in replay.headers
+    assert replay.content == first.content
+    assert tool.total == 1
+
+
+# -- single-flight --------------------------------------------------------------------------
+
+
+def assert_one_call(answers: list[httpx.Response]) -> None:
+    """One answer made the call and stored it; the others waited for it (collapsed), or,
+    arriving after it was stored, hit."""
+    statuses = [cache_status(a) for a in answers]
+    assert statuses.count(STORED) == 1, statuses
+    assert "tool-proxy; fwd=miss; collapsed" in statuses
+    assert set(statuses) <= {STORED, "tool-proxy; fwd=miss; collapsed", HIT}, statuses
+
+
+def test_identical_misses_at_once_make_one_call(
+    store_url: str, make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url), store=store_url)
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda _: ask(proxy.url, "?delay=0.3"), range(5)))
+    assert [a.status_code for a in answers] == [200] * 5
+    assert len({a.content for a in answers}) == 1
+    assert_one_call(answers)
+    assert tool.total == 1
+
+
+def test_waiters_call_the_tool_themselves_past_wait(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, wait="100ms"))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(ask, proxy.url, "?delay=0.6")
+        wait_for(lambda: tool.in_flight == 1, what="the first call at the tool")
+        second = ask(proxy.url, "?delay=0.6")
+        assert cache_status(second) == STORED  # its own call: it stopped waiting for the first
+        assert first.result().status_code == 200
+    assert tool.total == 2
+
+
+def test_waiters_of_an_uncacheable_answer_call_at_once(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: ask(proxy.url, "?delay=0.5&status=500"), range(4)))
+    assert [a.status_code for a in answers] == [500] * 4
+    assert time.monotonic() - started < 1.6  # the first, then the others at once: not 4 x 0.5 s
+    assert tool.most_in_flight == 3
+    assert tool.total == 4
+
+
+# -- offload --------------------------------------------------------------------------------
+
+
+def test_a_large_cached_answer_lives_in_object_storage(
+    make_proxy: ProxyFactory, tool: CountingTool, s3: S3
+) -> None:
+    proxy = make_proxy(cached(tool.url), offload=s3_offload(s3, threshold=10_000))
+    first = ask(proxy.url, "?size=300000")
+    assert first.content == expected(300_000) and cache_status(first) == STORED
+    [object_key] = s3.keys()
+    assert object_key.startswith("responses/tool/")
+    again = ask(proxy.url, "?size=300000")
+    assert cache_status(again) == HIT and again.content == expected(300_000)
+    assert tool.total == 1
+    s3.client().delete_object(Bucket=BUCKET, Key=object_key)  # gone: a miss, not an error
+    lost = ask(proxy.url, "?size=300000")
+    assert lost.content == expected(300_000) and cache_status(lost) == STORED
+    assert tool.total == 2
+
+
+def test_an_answer_above_max_bytes_is_not_stored(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, max_bytes=100_000))
+    for _ in range(2):
+        assert ask(proxy.url, "?size=200000").content == expected(200_000)
+    assert tool.total == 2
+
+
+# -- scoping --------------------------------------------------------------------------------
+
+
+def test_scope_principal_never_serves_another_callers_answer(
+    make_proxy: ProxyFactory, tool: CountingTool, idp: IdentityProvider
+) -> None:
+    spec = cached(tool.url, scope="principal")
+    spec["auth"] = {"required": True}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+
+    def as_(who: str, query: str = "") -> httpx.Response:
+        return ask(proxy.url, query, headers={"authorization": f"Bearer {idp.token(who)}"})
+
+    assert cache_status(as_("alice")) == STORED
+    assert cache_status(as_("alice")) == HIT
+    assert cache_status(as_("bob")) == STORED
+    assert cache_status(as_("bob", "?cache_control=private")) == STORED  # private: per caller
+    assert tool.total == 3
+
+
+# -- shared by replicas (real Redis, two proxy processes) -------------------------------------
+
+
+@pytest.fixture
+def two_proxies(
+    tmp_path: Path, tool: CountingTool, redis_server: RedisServer, idp: IdentityProvider
+) -> Iterator[list[ProxyProcess]]:
+    redis_server.flush()
+    spec = cached(tool.url, scope="principal")
+    spec["auth"] = {"required": True}
+    config = {"store": {"url": redis_server.url}, "routes": [spec], "auth": auth_config(idp)}
+    proxies = [ProxyProcess(config, tmp_path).start() for _ in range(2)]
+    yield proxies
+    for proxy in proxies:
+        if proxy.process is not None:
+            proxy.stop()
+
+
+def test_ten_identical_misses_across_replicas_make_one_call_and_other_callers_miss(
+    two_proxies: list[ProxyProcess], tool: CountingTool, idp: IdentityProvider
+) -> None:
+    alice = {"authorization": f"Bearer {idp.token('alice')}"}
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        answers = list(
+            pool.map(lambda n: ask(two_proxies[n % 2].url, "?delay=0.5", headers=alice), range(10))
+        )
+    assert [a.status_code for a in answers] == [200] * 10
+    assert tool.total == 1
+    assert len({a.content for a in answers}) == 1
+    assert_one_call(answers)
+    for proxy in two_proxies:
+        assert cache_status(ask(proxy.url, "?delay=0.5", headers=alice)) == HIT
+    bob = {"authorization": f"Bearer {idp.token('bob')}"}
+    other = ask(two_proxies[1].url, "?delay=0.5", headers=bob)
+    assert cache_status(other) == STORED and other.json()["execution"] == 2
+    assert tool.total == 2
+
+
+# -- failures (units: a store that fails, an answer that breaks) ------------------------------
+
+
+class Answer(UpstreamResponse):
+    """A tool's answer without a connection; ``broken``: its body never arrives whole."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__(200, [(b"content-type", b"application/json")], 11, None)  # type: ignore[arg-type]
+        self.broken = broken
+
+    async def read(self) -> bytes:
+        if self.broken:
+            raise OutcomeUnknown("the connection broke mid-body")
+        return b'{"ok":true}'
+
+
+class DownStore(MemoryStore):
+    async def get_value(self, key: str) -> bytes | None:
+        raise StoreUnavailable("redis store: ConnectionError")
+
+
+ROUTE = parse_config({"routes": [cached("http://h")]}, env={}).routes[0]
+
+
+def policy(store: MemoryStore) -> tuple[Cache, TaskSet]:
+    tasks = TaskSet()
+    return Cache(ROUTE, store, Metrics(), tasks, structlog.get_logger()), tasks
+
+
+def context_of() -> Context:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/tools/infer",
+        "raw_path": b"/tools/infer",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+    }
+    request = Incoming.of(scope, None)  # type: ignore[arg-type]
+    return Context(ROUTE, request, json.dumps(BODY).encode())
+
+
+def test_the_cache_fails_open_when_the_store_is_down() -> None:
+    async def run() -> tuple[bytes, Context]:
+        cache, _ = policy(DownStore())
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        return await (await cache.wrap(context, forward)()).read(), context
+
+    body, context = asyncio.run(run())
+    assert body == b'{"ok":true}'
+    assert context.headers == [(b"cache-status", b"tool-proxy; fwd=miss; detail=store-unavailable")]
+
+
+def test_an_answer_that_breaks_is_not_stored_and_frees_its_waiters_at_once() -> None:
+    async def run() -> tuple[bytes | None, bool]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer(broken=True)
+
+        upstream = await cache.wrap(context, forward)()
+        with pytest.raises(OutcomeUnknown):
+            await upstream.read()
+        await tasks.drain(1)
+        key = cache.key(context)
+        return await store.get_value(key), await store.acquire(key, "another", 1)
+
+    value, free = asyncio.run(run())
+    assert value == b"uncacheable" and free  # waiters call the tool themselves, now
