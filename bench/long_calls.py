@@ -75,7 +75,7 @@ def serve_proxy(port: int, upstream: str, store: str) -> None:
             "upstream": upstream,
             "strip_prefix": True,
             "idempotency": {"lock_ttl": "30s", "result_ttl": "1h"},
-            "async": {"mode": "prefer"},
+            "async": {"mode": "prefer", "visibility": "10s"},
             "workers": {"concurrency": 32},
         },
         {
@@ -84,7 +84,7 @@ def serve_proxy(port: int, upstream: str, store: str) -> None:
             "upstream": upstream,
             "strip_prefix": True,
             "idempotency": {"lock_ttl": "30s", "result_ttl": "1h"},
-            "async": {"mode": "prefer"},
+            "async": {"mode": "prefer", "visibility": "10s"},
             "workers": {"concurrency": 32},
         },
         {"name": "plain", "path_prefix": "/plain", "upstream": upstream, "strip_prefix": True},

@@ -665,6 +665,11 @@ class RouteConfig(_Strict):
             raise ValueError("async: needs idempotency (a job concludes the call's record)")
         if self.protocol is RouteProtocol.MCP:
             raise ValueError("async: not on protocol: mcp routes (MCP has tasks of its own)")
+        if self.async_.visibility >= self.idempotency.lock_ttl:
+            raise ValueError(
+                "async.visibility must be below idempotency.lock_ttl (a job whose worker "
+                "died is taken over before its record's lease lapses)"
+            )
         return self
 
     def runs_jobs(self) -> bool:

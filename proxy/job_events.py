@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from proxy.errors import StoreUnavailable
+from proxy.errors import ProxyError
 from proxy.store import Job, Queue
 
 # The longest a watched job goes without its events being read from the store.
@@ -35,11 +35,12 @@ class Watch:
         self._hub = hub
         self._poked = asyncio.Event()
         self._grown = asyncio.Event()
+        self._closed = False
         self._task = asyncio.create_task(self._read_forever())
 
     @property
     def ended(self) -> bool:
-        return bool(self.events) and self.events[-1].state.terminal
+        return self._closed or (bool(self.events) and self.events[-1].state.terminal)
 
     def poke(self) -> None:
         """The job changed: read its events now."""
@@ -51,7 +52,7 @@ class Watch:
             after = self.events[-1].seq if self.events else 0
             try:
                 new = await self._hub.queue.events(self.id, after)
-            except StoreUnavailable as exc:
+            except ProxyError as exc:  # the store is away, or answered nonsense: poll again
                 self._hub.log.warning("job_events_unreadable", job=self.id, error=exc.detail)
                 new = []
             if new:
@@ -78,7 +79,10 @@ class Watch:
             await self._grown.wait()
 
     def close(self) -> None:
+        """No more reading: the readers' streams end (at shutdown)."""
+        self._closed = True
         self._task.cancel()
+        self._grown.set()
 
 
 class Hub:
@@ -103,7 +107,8 @@ class Hub:
         finally:
             watch.readers -= 1
             if not watch.readers:
-                del self._watches[id]
+                if self._watches.get(id) is watch:
+                    del self._watches[id]
                 watch.close()
 
     async def follow(self, id: str, after: int) -> AsyncIterator[Job]:
@@ -143,7 +148,7 @@ class Hub:
                     self.poke(id)
                     if not self._watches:
                         return
-            except StoreUnavailable as exc:
+            except ProxyError as exc:
                 self.log.warning("job_feed_lost", error=exc.detail)
             finally:
                 await changes.aclose()  # type: ignore[attr-defined]

@@ -70,6 +70,7 @@ FINAL = (PreconditionFailed, PreconditionRequired, ResourceKeyMissing, Unauthori
 QUEUED = frozenset({JobState.QUEUED})
 RUNNING = frozenset({JobState.RUNNING})
 DEAD = frozenset({JobState.DEAD})
+NEVER_RAN = frozenset({JobState.CANCELLED, JobState.DEAD})
 
 Forwarder = Callable[[Incoming, RouteConfig, bytes, str, str], Callable[[], Awaitable[Any]]]
 """``(request, route, body, principal, identity) -> forward``: the live path's send,
@@ -263,15 +264,22 @@ class RouteJobs:
         answered as for a live call: a replay, or a 409)."""
         job_id = secrets.token_urlsafe(18)
         owner = JOB_OWNER + job_id
-        record = await self.guard.claim_job(op, owner, self.config.max_queued)
-        if record is not None:
+        for _ in range(2):
+            record = await self.guard.claim_job(op, owner, self.config.max_queued)
+            if record is None:
+                break
             existing = job_id_of(record.owner)
             if record.state is not State.IN_PROGRESS or existing is None:
                 return None
             job = await self.queue.get(existing)
             if job is None:
                 return None
-            return await self._answer(job, op, how)
+            if job.state not in NEVER_RAN:
+                return await self._answer(job, op, how)
+            # cancelled or dead, its key's release lost: nothing ran, release it now
+            await self.store.release(op.key, record.owner)
+        else:
+            return None
         try:
             job = await self._keep_request(job_id, op, request, body, principal, identity)
         except BaseException:
@@ -294,7 +302,9 @@ class RouteJobs:
         if self.offload is not None and self.offload.wants(len(body)):
             ref = await self.offload.put(self.route.name, body, keep_for=self._keep)
             body = b""
-        stored = StoredRequest(dict(request.scope), body, op.fingerprint, identity, ref)
+        scope = dict(request.scope)
+        scope["headers"] = _without_async_preferences(scope["headers"])
+        stored = StoredRequest(scope, body, op.fingerprint, identity, ref)
         job = Job(
             id=job_id,
             route=self.route.name,
@@ -324,6 +334,8 @@ class RouteJobs:
         record = await self.store.get(RecordKey(job.slot, job.name))
         if record is None or record.state is State.IN_PROGRESS or record.lapsed:
             return None
+        if record.owner != JOB_OWNER + job.id:  # the key's later call, not this operation's
+            return None
         stored = StoredResponse.decode(record.payload)
         if first and stored.ref is None:
             return reply(stored, replayed=False)
@@ -333,8 +345,10 @@ class RouteJobs:
 
     async def cancel(self, job: Job) -> Job | None:
         """Cancel a QUEUED job (it was never sent; its key is released); None if it is
-        not QUEUED any more."""
+        neither QUEUED nor CANCELLED (a cancel again releases the key again)."""
         cancelled = await self.queue.move(job.id, QUEUED, JobState.CANCELLED)
+        if cancelled is None and job.state is JobState.CANCELLED:
+            cancelled = job  # again: its key's release may have failed the first time
         if cancelled is not None:
             await self.store.release(RecordKey(job.slot, job.name), JOB_OWNER + job.id)
             self.log.info("job_cancelled", route=self.route.name, key=job.label, job=job.id)
@@ -399,13 +413,19 @@ class RouteJobs:
                 self.log.error(
                     "job_not_concluded", route=self.route.name, job=job.id, error=exc.detail
                 )
+            except Exception:  # a bug: the job's hold lapses, and a taker concludes it
+                self.log.exception("job_not_concluded", route=self.route.name, job=job.id)
 
     async def _idle(self, seconds: float) -> None:
         """Wait for a job: one idle worker polls the queue every ``seconds`` (for jobs of
         other processes), the others wait until it, or a submission here, finds one."""
         self._wake.clear()
+        if self._stopping:
+            return
         if self._polling.locked():
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds * 4):
+                    await self._wake.wait()
             return
         async with self._polling:
             with contextlib.suppress(TimeoutError):
@@ -418,6 +438,11 @@ class RouteJobs:
         owner = JOB_OWNER + job.id
         if job.sent or job.state is JobState.RUNNING:
             await self._taken_over_after_sending(job, op, owner, worker)
+            return
+        try:
+            body = await self._body(request)
+        except ProxyError as exc:  # the stored body cannot be had now: nothing is sent
+            await self._refused(job, op.key, worker, QUEUED, job.attempts + 1, _problem(exc), 0)
             return
         loop = asyncio.get_running_loop()
         renewed_at = loop.time()
@@ -435,12 +460,16 @@ class RouteJobs:
         lease = self.guard.job_lease(op, owner, renewed_at)
         holding = asyncio.create_task(self._hold_while_running(job.id, worker))
         try:
-            await self._attempt(running, request, lease, worker)
+            await self._attempt(running, request, body, lease, worker)
+        except BaseException:
+            lease.stop()  # the record lapses to FAILED unless concluded: never renewed forever
+            raise
         finally:
             holding.cancel()
 
-    async def _attempt(self, job: Job, request: StoredRequest, lease: Lease, worker: str) -> None:
-        body = await self._body(request)
+    async def _attempt(
+        self, job: Job, request: StoredRequest, body: bytes, lease: Lease, worker: str
+    ) -> None:
         incoming = Incoming.of(dict(request.scope), _no_body)
         forward = self.forwarder(incoming, self.route, body, job.principal, request.identity)
         refusal: ProxyError | None = None
@@ -454,16 +483,15 @@ class RouteJobs:
         if lease.released:
             await self._not_run(job, lease, worker, refusal, response, error)
             return
+        # the record says how it ended (a streamed body is concluded once read whole)
+        record = await self.store.get(lease.op.key)
+        if record is not None and record.owner == lease.owner and not record.lapsed:
+            if record.state is not State.IN_PROGRESS:
+                await self._ended_as_recorded(job, record.state, record.payload, worker)
+                return
         state = JobState.COMPLETED if outcome is Outcome.EXECUTED else JobState.FAILED
-        moved = await self.queue.move(
-            job.id, RUNNING, state, worker=worker, error=error if state is JobState.FAILED else b""
-        )
-        self.hub.poke(job.id)
-        self.log.info(
-            "job_ended", route=self.route.name, key=job.label, job=job.id, state=state.value
-        )
-        if moved is None:
-            self.log.warning("job_hold_lost", route=self.route.name, job=job.id)
+        failure = error if state is JobState.FAILED else b""
+        await self._end(job, state, failure, worker)
 
     async def _body(self, request: StoredRequest) -> bytes:
         if request.ref is None:
@@ -484,40 +512,68 @@ class RouteJobs:
         response: Response | None,
         body: bytes,
     ) -> None:
-        """Nothing ran: queue the job again after a backoff, or, its attempts spent (or
-        refused for good), end it DEAD and release its key."""
-        error = _refusal(refusal, response, body)
-        key = lease.op.key
-        if job.attempts >= self.config.attempts or isinstance(refusal, FINAL):
-            await self.store.release(key, lease.owner)
-            await self.queue.move(
-                job.id, RUNNING, JobState.DEAD, worker=worker, sent=False, error=error
-            )
-            self.hub.poke(job.id)
-            self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
-            return
-        delay = self._backoff(job.attempts, refusal, response)
-        ttl = self.guard.job_record_ttl(self.config.max_queued)
-        await self.store.renew(key, lease.owner, self.config.max_queued, ttl)
-        await self.queue.move(
-            job.id, RUNNING, JobState.QUEUED, worker=worker, sent=False, error=error, due=delay
-        )
-        self.hub.poke(job.id)
-        self.log.info(
-            "job_retried", route=self.route.name, job=job.id, attempt=job.attempts, delay=delay
-        )
-
-    def _backoff(
-        self, attempts: int, refusal: ProxyError | None, response: Response | None
-    ) -> float:
-        """Exponential with jitter (half fixed, half random), or the tool's Retry-After."""
+        """Nothing ran: queue the job again after a backoff, or end it DEAD."""
         told = None
         if refusal is not None:
             told = refusal.headers.get("Retry-After")
         elif response is not None:
             told = response.headers.get("retry-after")
-        if told is not None and told.strip().isdigit():
-            return min(float(told), self.config.max_queued)
+        final = isinstance(refusal, FINAL)
+        error = _refusal(refusal, response, body)
+        await self._refused(job, lease.op.key, worker, RUNNING, job.attempts, error, told, final)
+
+    async def _refused(
+        self,
+        job: Job,
+        key: RecordKey,
+        worker: str,
+        expect: frozenset[JobState],
+        attempts: int,
+        error: bytes,
+        told: str | int | None,
+        final: bool = False,
+    ) -> None:
+        """An attempt that ran nothing: queue the job again after a backoff (the key stays
+        claimed), or, its attempts spent (or refused for good), end it DEAD and release
+        its key."""
+        owner = JOB_OWNER + job.id
+        if attempts >= self.config.attempts or final:
+            await self.store.release(key, owner)
+            await self.queue.move(
+                job.id,
+                expect,
+                JobState.DEAD,
+                worker=worker,
+                attempts=attempts,
+                sent=False,
+                error=error,
+            )
+            self.hub.poke(job.id)
+            self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
+            return
+        delay = self._backoff(attempts, told)
+        ttl = self.guard.job_record_ttl(self.config.max_queued)
+        await self.store.renew(key, owner, self.config.max_queued, ttl)
+        await self.queue.move(
+            job.id,
+            expect,
+            JobState.QUEUED,
+            worker=worker,
+            attempts=attempts,
+            sent=False,
+            error=error,
+            due=delay,
+        )
+        self.hub.poke(job.id)
+        self.log.info(
+            "job_retried", route=self.route.name, job=job.id, attempt=attempts, delay=delay
+        )
+
+    def _backoff(self, attempts: int, told: str | int | None) -> float:
+        """Exponential with jitter (half fixed, half random), or the tool's Retry-After
+        (at most half of max_queued: the job must still be due within its lease)."""
+        if told is not None and str(told).strip().isdigit():
+            return min(float(str(told).strip()), self.config.max_queued / 2)
         ceiling: float = min(self.config.backoff_max, self.config.backoff * 2.0 ** (attempts - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
@@ -539,6 +595,11 @@ class RouteJobs:
     ) -> None:
         """The worker that ran this job stopped while its call may have been in flight:
         record the outcome as unknown; the call is never sent again."""
+        record = await self.store.get(op.key)
+        if record is not None and record.owner == owner and record.state is not State.IN_PROGRESS:
+            if not record.lapsed:  # its worker recorded the outcome, then could not say so
+                await self._ended_as_recorded(job, record.state, record.payload, worker)
+                return
         self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
         unknown = OutcomeUnknown(
             "the proxy running this operation stopped while its call was in flight; it may "
@@ -551,6 +612,23 @@ class RouteJobs:
             job.id, RUNNING | QUEUED, JobState.FAILED, worker=worker, error=_problem(unknown)
         )
         self.hub.poke(job.id)
+
+    async def _ended_as_recorded(self, job: Job, state: State, payload: bytes, worker: str) -> None:
+        """Move a job whose record holds its outcome to the state the record says."""
+        ended = JobState.COMPLETED if state is State.COMPLETED else JobState.FAILED
+        error = b""
+        if ended is JobState.FAILED:
+            error = StoredResponse.decode(payload).body
+        await self._end(job, ended, error, worker)
+
+    async def _end(self, job: Job, state: JobState, error: bytes, worker: str) -> None:
+        moved = await self.queue.move(job.id, RUNNING | QUEUED, state, worker=worker, error=error)
+        self.hub.poke(job.id)
+        self.log.info(
+            "job_ended", route=self.route.name, key=job.label, job=job.id, state=state.value
+        )
+        if moved is None:
+            self.log.warning("job_hold_lost", route=self.route.name, job=job.id)
 
     async def _expired_in_queue(self, job: Job, op: Operation, owner: str, worker: str) -> None:
         """The job's record lapsed while it waited (past max_queued): not sent; its key is
@@ -566,6 +644,25 @@ class RouteJobs:
             job.id, QUEUED, JobState.FAILED, worker=worker, error=_problem(expired)
         )
         self.hub.poke(job.id)
+
+
+def _without_async_preferences(headers: RawHeaders) -> RawHeaders:
+    """The headers with ``respond-async`` and ``wait`` taken out of ``Prefer``: the proxy
+    applied them; the tool must answer the worker's call itself, not with its own 202."""
+    kept: RawHeaders = []
+    for name, value in headers:
+        if name == b"prefer":
+            parts = [p for p in value.split(b",") if not _async_preference(p)]
+            if not parts:
+                continue
+            value = b", ".join(p.strip() for p in parts)
+        kept.append((name, value))
+    return kept
+
+
+def _async_preference(part: bytes) -> bool:
+    token = part.split(b";", 1)[0].split(b"=", 1)[0].strip().lower()
+    return token in (b"respond-async", b"wait")
 
 
 def _refusal(refusal: ProxyError | None, response: Response | None, body: bytes) -> bytes:
@@ -588,8 +685,9 @@ async def _drain(response: Response) -> bytes:
     """Read a response the worker does not pass on (its outcome is recorded meanwhile);
     the body of a small one."""
     if isinstance(response, StreamingResponse):
-        async for _ in response.body_iterator:
-            pass
+        with contextlib.suppress(Exception):  # cut short: the guard has concluded it
+            async for _ in response.body_iterator:
+                pass
         return b""
     return bytes(response.body)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -18,15 +18,15 @@ import pytest
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.config import parse_config
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, OffloadUnavailable, StoreUnavailable
 from proxy.job_events import Hub
-from proxy.jobs import asked, preferences
+from proxy.jobs import RouteJobs, asked, preferences
 from proxy.store import Job, JobState
-from proxy.store.memory import MemoryQueue
+from proxy.store.memory import MemoryQueue, MemoryStore
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
@@ -39,7 +39,12 @@ ASYNC = {"Prefer": "respond-async"}
 
 def long_route(upstream: str, *, query: str = "", **config: Any) -> dict[str, Any]:
     spec = route(upstream)
-    spec["async"] = {"backoff": "50ms", "backoff_max": "100ms", **config.pop("async_", {})}
+    spec["async"] = {
+        "backoff": "50ms",
+        "backoff_max": "100ms",
+        "visibility": "2s",
+        **config.pop("async_", {}),
+    }
     spec.update(config)
     return spec
 
@@ -110,7 +115,7 @@ def test_prefer_header_parsing() -> None:
 def test_modes_and_after() -> None:
     def config(**section: Any) -> Any:
         spec = route("http://tool:1")
-        spec["async"] = section
+        spec["async"] = {"visibility": "1s", **section}
         async_ = parse_config({"routes": [spec]}, env={}).routes[0].async_
         assert async_ is not None
         return async_
@@ -130,8 +135,12 @@ def test_async_needs_idempotency_and_names_the_field() -> None:
     spec["async"] = {"mode": "always"}
     with pytest.raises(ConfigError, match="async: needs idempotency"):
         parse_config({"routes": [spec]}, env={})
+    spec = route("http://tool:1")  # lock_ttl 5s
+    spec["async"] = {}
+    with pytest.raises(ConfigError, match=r"async.visibility must be below .*lock_ttl"):
+        parse_config({"routes": [spec]}, env={})
     spec = route("http://tool:1")
-    spec["async"] = {"attempts": 0}
+    spec["async"] = {"attempts": 0, "visibility": "1s"}
     with pytest.raises(ConfigError, match="attempts"):
         parse_config({"routes": [spec]}, env={})
     spec = route("http://tool:1")
@@ -341,8 +350,10 @@ def test_a_queued_operation_is_cancelled_and_a_running_one_is_not(
     until(proxy.url, running, "completed")
     assert httpx.get(proxy.url + queued).json()["state"] == "cancelled"
     assert tool.count(queued_key) == 0
-    ended = httpx.delete(proxy.url + queued)
-    assert ended.status_code == 409
+    again = httpx.delete(proxy.url + queued)  # DELETE is idempotent
+    assert again.status_code == 200 and again.json()["state"] == "cancelled"
+    ended = httpx.delete(proxy.url + running)
+    assert ended.status_code == 409 and "completed" in ended.json()["detail"]
     rerun = post(proxy.url, key=queued_key, **ASYNC)  # the key was released
     assert rerun.status_code == 202 and rerun.headers["location"] != queued
     until(proxy.url, rerun.headers["location"], "completed")
@@ -456,3 +467,120 @@ async def test_many_readers_of_one_operation_share_one_store_read_per_change() -
 
 async def _states(hub: Hub, id: str) -> list[str]:
     return [event.state.value async for event in hub.follow(id, 0)]
+
+
+# -- faults: a worker never dies, a recorded answer is never overwritten --------------------
+
+
+def _fault_route(url: str, **async_: Any) -> dict[str, Any]:
+    spec = route(url, lock_ttl="1s")
+    spec["async"] = {"backoff": "50ms", "backoff_max": "100ms", "visibility": "300ms", **async_}
+    spec["workers"] = {"concurrency": 1}
+    return spec
+
+
+def test_a_taker_keeps_the_answer_its_worker_recorded_but_could_not_report(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = MemoryQueue.move
+    blips: list[str] = []
+
+    async def move(self: MemoryQueue, id: str, *args: Any, **kwargs: Any) -> Job | None:
+        if args[1] is JobState.COMPLETED and not blips:  # the store blips at the last move
+            blips.append(id)
+            raise StoreUnavailable("blip")
+        return await original(self, id, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryQueue, "move", move)
+    proxy = make_proxy(_fault_route(tool.url))
+    key = new_key(BODY)
+    location = post(proxy.url, key=key, **ASYNC).headers["location"]
+    assert until(proxy.url, location, "completed", "failed")["state"] == "completed"
+    assert blips and tool.count(key) == 1
+    replay = post(proxy.url, key=key)
+    assert replay.status_code == 200 and replay.json()["execution"] == 1
+
+
+def _cut_tool() -> Starlette:
+    async def handle(request: Request) -> Response:
+        await request.body()
+        if request.query_params.get("cut"):
+
+            async def chunks() -> AsyncIterator[bytes]:
+                yield b"x" * 1000
+                raise RuntimeError("the tool crashed mid-body")
+
+            return StreamingResponse(chunks())
+        return Response(b'{"ok":true}', media_type="application/json")
+
+    return Starlette(routes=[Route("/{path:path}", handle, methods=["POST"])])
+
+
+def test_a_body_cut_short_fails_its_operation_and_the_worker_goes_on(
+    make_proxy: ProxyFactory,
+) -> None:
+    with running(ThreadServer(_cut_tool())) as server:
+        proxy = make_proxy(_fault_route(server.url))
+        cut = post(proxy.url, query="?cut=1", **ASYNC).headers["location"]
+        failed = until(proxy.url, cut, "failed", "completed")
+        assert failed["error"]["type"] == "urn:tool-proxy:problem:outcome-unknown"
+        after = post(proxy.url, key=new_key(BODY, step=2), **ASYNC).headers["location"]
+        assert until(proxy.url, after, "completed", "failed")["state"] == "completed"
+
+
+def test_a_request_body_that_cannot_be_read_is_retried_and_nothing_leaks(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = RouteJobs._body
+    failures: list[int] = []
+
+    async def body(self: RouteJobs, request: Any) -> bytes:
+        if not failures:
+            failures.append(1)
+            raise OffloadUnavailable("the object store is down")
+        return await original(self, request)
+
+    monkeypatch.setattr(RouteJobs, "_body", body)
+    proxy = make_proxy(_fault_route(tool.url))
+    key = new_key(BODY)
+    location = post(proxy.url, key=key, **ASYNC).headers["location"]
+    done = until(proxy.url, location, "completed", "failed", "dead")
+    assert (done["state"], done["attempts"]) == ("completed", 2)
+    assert tool.count(key) == 1
+
+
+def test_a_cancel_whose_release_failed_releases_when_sent_again(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = MemoryStore.release
+    blips: list[str] = []
+
+    async def release(self: MemoryStore, key: Any, owner: str) -> bool:
+        if owner.startswith("job.") and not blips:
+            blips.append(owner)
+            raise StoreUnavailable("blip")
+        return await original(self, key, owner)
+
+    monkeypatch.setattr(MemoryStore, "release", release)
+    proxy = make_proxy(_fault_route(tool.url))
+    busy = post(proxy.url, query="?delay=1", key=new_key(BODY, step=9), **ASYNC)
+    until(proxy.url, busy.headers["location"], "running")
+    key = new_key(BODY)
+    location = post(proxy.url, key=key, **ASYNC).headers["location"]
+    assert httpx.delete(proxy.url + location).status_code == 503  # cancelled, key not freed
+    again = httpx.delete(proxy.url + location)
+    assert again.status_code == 200 and again.json()["state"] == "cancelled"
+    resent = post(proxy.url, key=key, **ASYNC)  # a new operation runs the call
+    assert resent.status_code == 202 and resent.headers["location"] != location
+    assert until(proxy.url, resent.headers["location"], "completed")["attempts"] == 1
+
+
+def test_the_async_preferences_are_not_forwarded_to_the_tool(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(long_route(tool.url))
+    key = new_key(BODY)
+    prefer = {"Prefer": "respond-async, wait=1, return=minimal"}
+    location = post(proxy.url, key=key, query="?delay=1.5", **prefer).headers["location"]
+    until(proxy.url, location, "completed")
+    assert tool.requests[-1]["headers"]["prefer"] == "return=minimal"

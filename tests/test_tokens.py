@@ -483,7 +483,7 @@ def test_a_long_call_gets_its_downstream_token_when_it_is_sent(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider, mode: str
 ) -> None:
     spec = token_route(tool, idp, mode)
-    spec["async"] = {"mode": "always"}
+    spec["async"] = {"mode": "always", "visibility": "2s"}
     proxy = make_proxy(spec, auth=auth_section(idp))
     alice = idp.token("alice")
     accepted = httpx.post(
