@@ -57,7 +57,7 @@ from proxy.outcome import StoredResponse
 from proxy.problems import problem_body
 from proxy.records import iso
 from proxy.replay import reply
-from proxy.store import Job, JobState, Queue, RecordKey, State, Store
+from proxy.store import Job, JobState, Queue, Record, RecordKey, State, Store
 
 OPERATIONS_PATH = "/_proxy/operations/"
 JOB_OWNER = "job."
@@ -485,10 +485,10 @@ class RouteJobs:
             return
         # the record says how it ended (a streamed body is concluded once read whole)
         record = await self.store.get(lease.op.key)
-        if record is not None and record.owner == lease.owner and not record.lapsed:
-            if record.state is not State.IN_PROGRESS:
-                await self._ended_as_recorded(job, record.state, record.payload, worker)
-                return
+        if _recorded(record, lease.owner):
+            assert record is not None
+            await self._ended_as_recorded(job, record.state, record.payload, worker)
+            return
         state = JobState.COMPLETED if outcome is Outcome.EXECUTED else JobState.FAILED
         failure = error if state is JobState.FAILED else b""
         await self._end(job, state, failure, worker)
@@ -596,10 +596,10 @@ class RouteJobs:
         """The worker that ran this job stopped while its call may have been in flight:
         record the outcome as unknown; the call is never sent again."""
         record = await self.store.get(op.key)
-        if record is not None and record.owner == owner and record.state is not State.IN_PROGRESS:
-            if not record.lapsed:  # its worker recorded the outcome, then could not say so
-                await self._ended_as_recorded(job, record.state, record.payload, worker)
-                return
+        if _recorded(record, owner):  # its worker recorded the outcome, then could not say so
+            assert record is not None
+            await self._ended_as_recorded(job, record.state, record.payload, worker)
+            return
         self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
         unknown = OutcomeUnknown(
             "the proxy running this operation stopped while its call was in flight; it may "
@@ -644,6 +644,16 @@ class RouteJobs:
             job.id, QUEUED, JobState.FAILED, worker=worker, error=_problem(expired)
         )
         self.hub.poke(job.id)
+
+
+def _recorded(record: Record | None, owner: str) -> bool:
+    """``owner``'s outcome is in ``record`` (COMPLETED, or FAILED with its reason)."""
+    return (
+        record is not None
+        and record.owner == owner
+        and record.state is not State.IN_PROGRESS
+        and not record.lapsed
+    )
 
 
 def _without_async_preferences(headers: RawHeaders) -> RawHeaders:
