@@ -25,18 +25,25 @@ and is recorded, and the retry gets its result.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from mcp import types
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from proxy.asgi import Incoming, RawHeaders, Reply
-from proxy.config import IdempotencyConfig, McpConfig, McpGuard, RouteConfig
+from proxy.config import (
+    DEFAULT_MAX_ANSWER_BYTES,
+    IdempotencyConfig,
+    McpConfig,
+    McpGuard,
+    RouteConfig,
+)
 from proxy.errors import (
     ArgsHashMismatch,
     InvalidIdempotencyKey,
@@ -46,6 +53,7 @@ from proxy.errors import (
     OutcomeUnknown,
     ProxyError,
     RequestInProgress,
+    ResponseNotStored,
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import Guard, Outcome
@@ -66,8 +74,13 @@ KEY_REUSED = -32012
 KEY_MISSING = -32013
 KEY_INVALID = -32014
 OUTCOME_UNKNOWN = -32015
+RESULT_NOT_KEPT = -32016
 REFUSED = -32019
 """Any other refusal of the proxy (store unavailable, rate limited, ...): see error.data."""
+# The MCP revisions whose tools/call the proxy guards (MCP-Protocol-Version). 2025-03-26
+# is what the transport spec has a server assume when the header is absent.
+PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
+DEFAULT_PROTOCOL_VERSION = "2025-03-26"
 # A GET stream (the server's own messages) is cut after this long, not the route's
 # timeout (a call's bound); the client opens it again.
 STREAM_SECONDS = 3600.0
@@ -76,6 +89,7 @@ MAX_KNOWN_TOOLS = 10_000
 # A recorded answer's form (json or sse) as the tool server sent it; never sent on.
 _FORM_HEADER = b"tool-proxy-mcp-form"
 _SESSION = b"mcp-session-id"
+_VERSION = b"mcp-protocol-version"
 _PROBLEM = MEDIA_TYPE.encode()
 
 RequestId = str | int | None
@@ -171,6 +185,8 @@ class McpView:
         release = self.policy.release_on_status if self.policy is not None else ()
         self._not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
+        self.answer_bound = answer_bound(self.config, guard)
+        """The most of a guarded call's answer held while it is read whole."""
 
     def guards(self, tool: str) -> bool:
         """True if ``tools/call`` of ``tool`` is guarded on this route."""
@@ -196,12 +212,27 @@ class McpView:
             )
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
+            unsupported = unsupported_version(request)
+            if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
+                return Handled(error_reply(call.id, *unsupported, status=400), Outcome.REJECTED)
             return await self._guarded(request, exchange, principal, session, call, body)
         if isinstance(message, types.JSONRPCNotification) and self._cancels(session, message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
-        upstream = await exchange.forward(body, once=False, policies=call is not None)
+        if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
+            return await self._unguarded(exchange, call, body)
+        upstream = await exchange.forward(body, once=False)
+        return Handled(await exchange.relay(upstream), Outcome.PASSED)
+
+    @staticmethod
+    async def _unguarded(exchange: Exchange, call: ToolCall, body: bytes) -> Handled:
+        """A ``tools/call`` sent on unguarded; a policy's refusal (rate limited, resource
+        locked, ...) is the call's JSON-RPC error."""
+        try:
+            upstream = await exchange.forward(body, once=False, policies=True)
+        except ProxyError as exc:
+            return Handled(refusal(call.id, exc), Outcome.REJECTED)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
     def _cancels(self, session: str, note: types.JSONRPCNotification) -> bool:
@@ -251,12 +282,11 @@ class McpView:
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         if op is None:  # no key, and the route does not require one
-            upstream = await exchange.forward(body, once=False, policies=True)
-            return Handled(await exchange.relay(upstream), Outcome.PASSED, None)
+            return await self._unguarded(exchange, call, body)
 
         async def forward() -> UpstreamResponse:
             sent = await exchange.forward(body, once=True, policies=True)
-            return await read_answer(sent, call.id, self._not_run)
+            return await read_answer(sent, call.id, self._not_run, self.answer_bound)
 
         flight = (session, call.id)
         self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
@@ -419,30 +449,70 @@ def _header(request: Incoming, name: bytes) -> str:
     return ""
 
 
+def unsupported_version(request: Incoming) -> tuple[int, str] | None:
+    """The JSON-RPC error (code, message) for a ``MCP-Protocol-Version`` the proxy does not
+    guard calls of; None for a supported one. No header: the transport spec's assumption,
+    2025-03-26 (whose ``tools/call`` is the same)."""
+    version = request.header(_VERSION)
+    if version is None or version in PROTOCOL_VERSIONS:
+        return None
+    shown = version if len(version) <= 40 and version.isprintable() else version[:40] + "..."
+    return (
+        types.INVALID_REQUEST,
+        f"Bad Request: unsupported MCP-Protocol-Version {shown!r}: tool-proxy guards "
+        f"tools/call of the revisions {', '.join(PROTOCOL_VERSIONS)}; the call was not sent",
+    )
+
+
 # -- reading answers ------------------------------------------------------------------
 
 
+def answer_bound(config: McpConfig, guard: Guard | None) -> int:
+    """The most of a guarded call's answer held while it is read: ``mcp.max_answer_bytes``;
+    without offload, also no more than the route can record (``max_stored_bytes``, the
+    store's own limit), since a larger answer could not be kept anyway."""
+    bound = config.max_answer_bytes
+    if guard is None or guard.offload is not None:
+        return bound
+    bound = min(bound, guard.store.max_payload_bytes)
+    stored = guard.policy.max_stored_bytes
+    return bound if stored is None else min(bound, stored)
+
+
+class AnswerTooLarge(Exception):
+    """A guarded call's answer passed the bound while it was read (the part read is
+    dropped, the connection closed)."""
+
+
 async def read_answer(
-    upstream: UpstreamResponse, id: str | int, not_run: frozenset[int] = frozenset()
+    upstream: UpstreamResponse,
+    id: str | int,
+    not_run: frozenset[int] = frozenset(),
+    bound: int = DEFAULT_MAX_ANSWER_BYTES,
 ) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
     response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
     tool was not called (``not_run``: the transport's refusals, and the route's
     ``release_on_status``); ``OutcomeUnknown`` (recorded FAILED) for any other status that
-    is not 200, or a 200 answer that holds no response to ``id``."""
-    raw = await upstream.read()
-    form = _content_type(upstream.headers)
-    if upstream.status != 200 and upstream.status not in not_run:
-        raise OutcomeUnknown(
-            f"the MCP server answered HTTP {upstream.status} to this call; the tool may have run",
-            status=502,
-        )
+    is not 200, or a 200 answer that holds no response to ``id``. An answer that holds
+    more than ``bound`` bytes at once is not kept: the answer returned says so when it is
+    read (``NotKept``), and the call is recorded as executed, its result not kept."""
     if upstream.status != 200:
-        raise McpRefused(
-            f"the MCP server answered HTTP {upstream.status}: the tool was not called",
-            StoredResponse.of(upstream.status, upstream.headers, raw),
+        await _not_answered(upstream, not_run, bound)
+    sse = _content_type(upstream.headers) == SSE
+    raw: bytes | None
+    try:
+        raw = await (_final_event(upstream, id, bound) if sse else _read_bounded(upstream, bound))
+    except AnswerTooLarge:
+        return NotKept(
+            200,
+            [(b"content-type", JSON.encode())],
+            0,
+            upstream._response,
+            f"the MCP server's answer passed {bound} bytes, the most this route keeps of it "
+            "(mcp.max_answer_bytes, or what the store takes without offload)",
         )
-    answer = _final_response(raw, form, id)
+    answer = None if raw is None else _final_response(raw, JSON, id)
     if answer is None:
         raise OutcomeUnknown(
             "the MCP server's answer ended without the result of this call; the tool may have run",
@@ -450,9 +520,108 @@ async def read_answer(
         )
     body = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
     headers: RawHeaders = [(b"content-type", JSON.encode())]
-    if form == SSE:
+    if sse:
         headers.append((_FORM_HEADER, b"sse"))
     return ReadAnswer(upstream.status, headers, len(body), upstream._response, body)
+
+
+async def _not_answered(
+    upstream: UpstreamResponse, not_run: frozenset[int], bound: int
+) -> NoReturn:
+    """An answer that is not 200: the server refused the call (``not_run``), or may have
+    run it."""
+    try:
+        raw = await _read_bounded(upstream, bound)
+    except AnswerTooLarge:
+        raw = b""
+    if upstream.status not in not_run:
+        raise OutcomeUnknown(
+            f"the MCP server answered HTTP {upstream.status} to this call; the tool may have run",
+            status=502,
+        )
+    raise McpRefused(
+        f"the MCP server answered HTTP {upstream.status}: the tool was not called",
+        StoredResponse.of(upstream.status, upstream.headers, raw),
+    )
+
+
+@dataclass(slots=True)
+class NotKept(UpstreamResponse):
+    """An answer too large to keep: the guard reads it "whole" (length 0), and the read
+    raises ``ResponseNotStored``, so the call is recorded as executed, result not kept."""
+
+    detail: str = ""
+
+    async def read(self) -> bytes:
+        raise ResponseNotStored(self.detail)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        raise ResponseNotStored(self.detail)
+        yield b""  # pragma: no cover
+
+
+@contextlib.asynccontextmanager
+async def _chunks(upstream: UpstreamResponse) -> AsyncIterator[AsyncIterator[bytes]]:
+    """The body's chunks, closed on leaving (the connection too, if not read to its end)."""
+    chunks = upstream.stream()
+    try:
+        yield chunks
+    finally:
+        if isinstance(chunks, AsyncGenerator):
+            await chunks.aclose()
+
+
+async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
+    """The whole body; ``AnswerTooLarge`` as soon as it passes ``bound`` (nothing more is
+    read: the connection is closed)."""
+    if upstream.length is not None and upstream.length > bound:
+        async with _chunks(upstream):
+            raise AnswerTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async with _chunks(upstream) as body:
+        async for chunk in body:
+            size += len(chunk)
+            if size > bound:
+                raise AnswerTooLarge()
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _final_event(upstream: UpstreamResponse, id: RequestId, bound: int) -> bytes | None:
+    """The data of the SSE stream's last event that holds the response to ``id``, read as
+    the stream arrives: other events (progress, the server's requests) are dropped once
+    parsed. ``AnswerTooLarge`` when the kept event and the part not parsed yet pass
+    ``bound``."""
+    pending = bytearray()  # never holds a whole event: each is parsed once it is complete
+    found: bytes | None = None
+    carry = b""  # a CR at a chunk's end, perhaps the first half of a CRLF
+    async with _chunks(upstream) as body:
+        async for chunk in body:
+            chunk = carry + chunk
+            carry = b"\r" if chunk.endswith(b"\r") else b""
+            chunk = (chunk[:-1] if carry else chunk).replace(b"\r\n", b"\n")
+            start = max(len(pending) - 1, 0)
+            pending += chunk
+            end = pending.rfind(b"\n\n", start)
+            if end >= 0:
+                for data in sse_data(bytes(pending[: end + 2])):
+                    if _answers(data, id):
+                        found = data
+                del pending[: end + 2]
+            if len(pending) + (len(found) if found is not None else 0) > bound:
+                raise AnswerTooLarge()
+    for data in sse_data(bytes(pending) + carry):  # a last event without its blank line
+        if _answers(data, id):
+            found = data
+    return found
+
+
+def _answers(data: bytes, id: RequestId) -> bool:
+    """True if an SSE event's data is a JSON-RPC response (or error) to ``id``."""
+    if b'"result"' not in data and b'"error"' not in data:  # progress: not parsed whole
+        return False
+    return _final_response(data, JSON, id) is not None
 
 
 def _content_type(headers: RawHeaders) -> str:
@@ -570,6 +739,7 @@ _CODES = {
     MissingIdempotencyKey.slug: KEY_MISSING,
     InvalidIdempotencyKey.slug: KEY_INVALID,
     OutcomeUnknown.slug: OUTCOME_UNKNOWN,
+    ResponseNotStored.slug: RESULT_NOT_KEPT,
 }
 
 
@@ -592,6 +762,12 @@ def _problem_message(problem: dict[str, Any], retry_after: str | None = None) ->
             f"The tool call may or may not have run: its result was lost ({detail}). It will "
             "not be run again under this key. Check whether its effect happened before "
             "acting on it; to run it anyway, call it again under a new key."
+        )
+    if code == RESULT_NOT_KEPT:
+        return (
+            f"The tool call was executed once, but its result was not kept ({detail}). It "
+            "will not be run again under this key and its result cannot be sent again. "
+            "Check its effect before acting on it; to run it again, use a new key."
         )
     if code == ARGS_HASH_MISMATCH:
         return f"The idempotency key does not match these arguments: {detail}."

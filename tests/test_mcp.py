@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -409,6 +409,9 @@ class _Answer(UpstreamResponse):
 
     async def read(self) -> bytes:
         return self.body
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        yield self.body
 
 
 @pytest.mark.parametrize("status", [500, 502, 504, 409])
