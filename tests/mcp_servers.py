@@ -27,10 +27,17 @@ from tests.servers import ThreadServer
 
 class McpTool:
     """A FastMCP server on a thread: ``charge`` counts per account, ``balance`` is
-    read-only, ``refund`` fails with an ``isError`` result (and counts too)."""
+    read-only, ``refund`` fails with an ``isError`` result (and counts too); ``transfer``
+    sees overlaps and fencing tokens, ``report`` answers large, ``chatty`` sends much
+    progress, ``whoami`` shows the Authorization it got."""
 
     def __init__(self, *, json_response: bool) -> None:
         self.executions: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()
+        self.overlap: Counter[str] = Counter()
+        """The most transfers of one account that ran at once."""
+        self.fencing: list[str] = []
+        """The Fencing-Token of each transfer, in the order they finished."""
         self.json_response = json_response
         server = FastMCP("billing", json_response=json_response, log_level="WARNING")
 
@@ -61,6 +68,39 @@ class McpTool:
             self.executions[f"refund:{account}"] += 1
             raise ToolError(f"refund #{self.executions[f'refund:{account}']} refused")
 
+        @server.tool()
+        async def transfer(account: str, cents: int, ctx: Context, delay: float = 0.0) -> str:  # type: ignore[type-arg]
+            """Counts how many transfers of one account overlap, and the fencing tokens."""
+            self.running[account] += 1
+            self.overlap[account] = max(self.overlap[account], self.running[account])
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self.running[account] -= 1
+            self.fencing.append(_header(ctx, "fencing-token"))
+            self.executions[f"transfer:{account}"] += 1
+            return f"moved {cents} from {account}"
+
+        @server.tool()
+        def report(account: str, size: int) -> str:
+            """A result of ``size`` characters (a side effect, counted)."""
+            self.executions[f"report:{account}"] += 1
+            return "r" * size
+
+        @server.tool()
+        async def chatty(account: str, notes: int, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Many long progress notifications (SSE answers), then a short result."""
+            for done in range(notes):
+                await ctx.report_progress(done, notes, "n" * 1000)
+            self.executions[f"chatty:{account}"] += 1
+            return f"told {account}"
+
+        @server.tool()
+        def whoami(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """The Authorization header this call reached the server with (counted)."""
+            self.executions[f"whoami:{account}"] += 1
+            return _header(ctx, "authorization")
+
         self.server = ThreadServer(server.streamable_http_app())
 
     def start(self) -> McpTool:
@@ -73,6 +113,12 @@ class McpTool:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def _header(ctx: Context, name: str) -> str:  # type: ignore[type-arg]
+    """A header of the HTTP request that carried the current call."""
+    request = ctx.request_context.request
+    return str(request.headers.get(name, "")) if request is not None else ""
 
 
 @asynccontextmanager

@@ -220,7 +220,16 @@ def test_annotated_guards_only_tools_with_side_effects(
             return sorted(tool.name for tool in listed.tools), unknown.value
 
     names, unknown = asyncio.run(scenario())
-    assert names == ["balance", "charge", "export", "refund"]
+    assert names == [
+        "balance",
+        "charge",
+        "chatty",
+        "export",
+        "refund",
+        "report",
+        "transfer",
+        "whoami",
+    ]
     assert unknown.error.code == mcp.KEY_MISSING
     assert "params._meta.idempotencyKey" in unknown.error.message
     assert mcp_tool.executions[f"balance:{who}"] == 2
@@ -440,3 +449,124 @@ def test_reconcile_is_refused_on_mcp_routes() -> None:
     }
     with pytest.raises(ConfigError, match="reconcile: not on protocol: mcp"):
         parse_config({"routes": [spec]}, env={})
+
+
+# -- route policies keyed per tool ------------------------------------------------------
+
+
+def test_a_rate_limit_keyed_by_tool_name_limits_each_tool_on_its_own(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """``key: json:/params/name``: one bucket per tool. ``charge`` (guarded) runs out and
+    is refused as a JSON-RPC error, its key released; ``balance`` (unguarded) still has
+    its own room, then runs out too."""
+    spec = mcp_route(mcp_tool.url, guard=["charge"])
+    spec["limits"] = [{"name": "per-tool", "key": "json:/params/name", "rate": "2/1h"}]
+    proxy = make_proxy(spec)
+    who = account()
+
+    async def scenario() -> tuple[McpError, list[str], McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            for cents in (1, 2):
+                arguments = {"account": who, "cents": cents}
+                await client.call_tool(
+                    "charge", arguments, meta={"idempotencyKey": new_key(arguments)}
+                )
+            arguments = {"account": who, "cents": 3}
+            with pytest.raises(McpError) as limited:
+                await client.call_tool(
+                    "charge", arguments, meta={"idempotencyKey": new_key(arguments)}
+                )
+            balances = [text(await client.call_tool("balance", {"account": who})) for _ in "ab"]
+            with pytest.raises(McpError) as read_limited:
+                await client.call_tool("balance", {"account": who})
+            return limited.value, balances, read_limited.value
+
+    limited, balances, read_limited = asyncio.run(scenario())
+    assert mcp_tool.executions[who] == 2
+    assert balances == [f"{who}: 2 charges"] * 2
+    assert mcp_tool.executions[f"balance:{who}"] == 2
+    for refused in (limited, read_limited):
+        assert refused.error.code == mcp.REFUSED
+        assert isinstance(refused.error.data, dict)
+        assert refused.error.data["type"] == "urn:tool-proxy:problem:rate-limited"
+        assert refused.error.data["retry_after"] > 0
+        assert "limit per-tool of route billing has no room" in refused.error.message
+
+
+def test_a_rate_limit_keyed_by_an_argument_counts_per_value(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    spec = mcp_route(mcp_tool.url)
+    spec["limits"] = [
+        {"name": "per-account", "key": "json:/params/arguments/account", "rate": "1/1h"}
+    ]
+    proxy = make_proxy(spec)
+    first, second = account(), account()
+
+    async def scenario() -> list[str | int]:
+        async with session(proxy.url + "/mcp") as client:
+            seen: list[str | int] = []
+            for who in (first, second, first):
+                arguments = {"account": who, "cents": 1}
+                meta = {"idempotencyKey": new_key(arguments)}
+                try:
+                    seen.append(text(await client.call_tool("charge", arguments, meta=meta)))
+                except McpError as exc:
+                    seen.append(exc.error.code)
+            return seen
+
+    assert asyncio.run(scenario()) == [
+        f"charged 1 to {first} (#1)",
+        f"charged 1 to {second} (#1)",
+        mcp.REFUSED,
+    ]
+
+
+def test_a_lock_keyed_by_an_argument_runs_calls_on_one_account_one_at_a_time(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """``lock.key: json:/params/arguments/account``: concurrent transfers of one account
+    from three sessions never overlap at the tool, each with a larger fencing token."""
+    spec = mcp_route(mcp_tool.url)
+    spec["lock"] = {"key": "json:/params/arguments/account", "ttl": "5s", "wait": "10s"}
+    proxy = make_proxy(spec)
+    who = account()
+    before = len(mcp_tool.fencing)
+
+    async def transfer(cents: int) -> str:
+        arguments = {"account": who, "cents": cents, "delay": 0.1}
+        async with session(proxy.url + "/mcp") as client:
+            meta = {"idempotencyKey": new_key(arguments)}
+            return text(await client.call_tool("transfer", arguments, meta=meta))
+
+    async def scenario() -> list[str]:
+        return list(await asyncio.gather(*(transfer(cents) for cents in (1, 2, 3))))
+
+    assert sorted(asyncio.run(scenario())) == [f"moved {c} from {who}" for c in (1, 2, 3)]
+    assert mcp_tool.executions[f"transfer:{who}"] == 3
+    assert mcp_tool.overlap[who] == 1
+    tokens = [int(token) for token in mcp_tool.fencing[before:]]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+def test_a_lock_key_missing_from_the_arguments_is_refused_before_the_call(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    spec = mcp_route(mcp_tool.url)
+    spec["lock"] = {"key": "json:/params/arguments/account"}
+    proxy = make_proxy(spec)
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        arguments = {"cents": 1}
+        call = {
+            "name": "charge",
+            "arguments": arguments,
+            "_meta": {"idempotencyKey": new_key(arguments)},
+        }
+        answer = raw.post({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": call})
+    error = message_of(answer)["error"]
+    assert answer.status_code == 200 and message_of(answer)["id"] == 5
+    assert error["code"] == mcp.REFUSED
+    assert error["data"]["type"] == "urn:tool-proxy:problem:resource-key-missing"
+    assert "JSON member /params/arguments/account" in error["data"]["detail"]
