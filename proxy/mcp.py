@@ -81,6 +81,7 @@ REFUSED = -32019
 # is what the transport spec has a server assume when the header is absent.
 PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
 DEFAULT_PROTOCOL_VERSION = "2025-03-26"
+_SUPPORTED = frozenset(PROTOCOL_VERSIONS)
 # A GET stream (the server's own messages) is cut after this long, not the route's
 # timeout (a call's bound); the client opens it again.
 STREAM_SECONDS = 3600.0
@@ -453,9 +454,10 @@ def unsupported_version(request: Incoming) -> tuple[int, str] | None:
     """The JSON-RPC error (code, message) for a ``MCP-Protocol-Version`` the proxy does not
     guard calls of; None for a supported one. No header: the transport spec's assumption,
     2025-03-26 (whose ``tools/call`` is the same)."""
-    version = request.header(_VERSION)
-    if version is None or version in PROTOCOL_VERSIONS:
+    versions = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _VERSION}
+    if len(versions or {DEFAULT_PROTOCOL_VERSION}) == 1 and versions <= _SUPPORTED:
         return None
+    version = ", ".join(sorted(versions))  # two different ones: neither is the session's
     shown = version if len(version) <= 40 and version.isprintable() else version[:40] + "..."
     return (
         types.INVALID_REQUEST,

@@ -570,3 +570,109 @@ def test_a_lock_key_missing_from_the_arguments_is_refused_before_the_call(
     assert error["code"] == mcp.REFUSED
     assert error["data"]["type"] == "urn:tool-proxy:problem:resource-key-missing"
     assert "JSON member /params/arguments/account" in error["data"]["detail"]
+
+
+# -- protocol versions ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["2025-06-18", "2025-11-25", None])
+def test_a_guarded_call_of_a_supported_revision_is_guarded(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, version: str | None
+) -> None:
+    """Without the header the transport spec's assumption (2025-03-26) holds: guarded."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 4}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        if version is None:
+            del raw.headers["MCP-Protocol-Version"]
+        else:
+            raw.headers["MCP-Protocol-Version"] = version
+        answers = [
+            raw.post({"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": call})
+            for n in (1, 2)
+        ]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert message_of(answers[1])["result"] == message_of(answers[0])["result"]
+    assert mcp_tool.executions[who] == 1
+
+
+@pytest.mark.parametrize("version", ["1999-01-01", "2024-11-05", "2099-12-31", "latest"])
+def test_an_unsupported_revision_is_refused_with_400_and_nothing_sent(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, version: str
+) -> None:
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 4}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = raw.post(
+            {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": call},
+            **{"MCP-Protocol-Version": version},
+        )
+        raw.headers["MCP-Protocol-Version"] = "2025-11-25"
+        listed = raw.post({"jsonrpc": "2.0", "id": 9, "method": "tools/list"})
+        retried = raw.post({"jsonrpc": "2.0", "id": 10, "method": "tools/call", "params": call})
+    assert answer.status_code == 400
+    assert answer.headers["content-type"] == "application/json"
+    message = answer.json()
+    assert message["id"] == 8 and message["error"]["code"] == -32600
+    assert f"unsupported MCP-Protocol-Version '{version}'" in message["error"]["message"]
+    assert "2025-06-18, 2025-11-25, 2026-07-28" in message["error"]["message"]
+    assert listed.status_code == 200
+    assert "idempotent-replayed" not in retried.headers  # nothing was claimed
+    assert mcp_tool.executions[who] == 1
+
+
+def test_the_newest_revision_passes_the_proxy_and_the_server_answers_it(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """2026-07-28 is accepted by the proxy; this SDK's server does not speak it and
+    refuses the POST (400) before any tool runs: the key is released."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 4}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        newest = raw.post(
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call},
+            **{"MCP-Protocol-Version": "2026-07-28"},
+        )
+        again = raw.post({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": call})
+    assert newest.status_code == 400
+    assert "Unsupported protocol version: 2026-07-28" in newest.json()["error"]["message"]
+    assert again.status_code == 200 and "idempotent-replayed" not in again.headers
+    assert mcp_tool.executions[who] == 1
+
+
+def test_an_unguarded_call_keeps_its_revision_to_the_server(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """Only guarded calls are checked: the rest is the server's to answer."""
+    proxy = through(make_proxy, mcp_tool, guard=["refund"])
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = raw.post(
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+             "params": {"name": "balance", "arguments": {"account": "x"}}},
+            **{"MCP-Protocol-Version": "1999-01-01"},
+        )  # fmt: skip
+    assert answer.status_code == 400
+    assert "Unsupported protocol version: 1999-01-01" in answer.json()["error"]["message"]
