@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -14,7 +15,7 @@ from mcp.shared.exceptions import McpError
 
 from proxy import mcp
 from proxy.config import parse_config
-from proxy.errors import ConfigError, McpRefused, OutcomeUnknown
+from proxy.errors import ConfigError, McpRefused, OutcomeUnknown, ResponseNotStored
 from proxy.forwarding import UpstreamResponse
 from tests.conftest import ProxyFactory, new_key
 from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
@@ -676,3 +677,106 @@ def test_an_unguarded_call_keeps_its_revision_to_the_server(
         )  # fmt: skip
     assert answer.status_code == 400
     assert "Unsupported protocol version: 1999-01-01" in answer.json()["error"]["message"]
+
+
+# -- the bound on an answer read whole --------------------------------------------------
+
+
+def bounded_route(upstream: str, bound: int, **idempotency: Any) -> dict[str, Any]:
+    spec = mcp_route(upstream, **idempotency)
+    spec["mcp"]["max_answer_bytes"] = bound
+    return spec
+
+
+@pytest.mark.parametrize("limit", ["max_answer_bytes", "max_stored_bytes"])
+def test_an_answer_past_the_bound_is_executed_once_and_not_kept(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, limit: str
+) -> None:
+    """Past ``mcp.max_answer_bytes`` (or, without offload, what the route can record) the
+    answer is dropped as it is read: the first caller and every retry get -32016, and the
+    tool ran once."""
+    if limit == "max_answer_bytes":
+        proxy = make_proxy(bounded_route(mcp_tool.url, 4096))
+    else:
+        proxy = make_proxy(mcp_route(mcp_tool.url, max_stored_bytes=4096))
+    who = account()
+    arguments = {"account": who, "size": 200_000}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> list[McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            errors = []
+            for _ in "ab":
+                with pytest.raises(McpError) as not_kept:
+                    await client.call_tool("report", arguments, meta=meta)
+                errors.append(not_kept.value)
+            return errors
+
+    first, again = asyncio.run(scenario())
+    assert first.error.code == again.error.code == mcp.RESULT_NOT_KEPT
+    assert first.error.message.startswith("The tool call was executed once, but its result")
+    assert "passed 4096 bytes" in first.error.message
+    assert "will not be run again under this key" in again.error.message
+    assert isinstance(again.error.data, dict)
+    assert again.error.data["type"] == "urn:tool-proxy:problem:response-not-stored"
+    assert mcp_tool.executions[f"report:{who}"] == 1
+
+
+def test_progress_does_not_count_towards_the_bound(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """SSE events are parsed as they arrive and progress is dropped: 40 KB of progress
+    then a short result pass a 4 KiB bound."""
+    proxy = make_proxy(bounded_route(mcp_tool.url, 4096))
+    who = account()
+    arguments = {"account": who, "notes": 40}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            return [text(await client.call_tool("chatty", arguments, meta=meta)) for _ in "ab"]
+
+    assert asyncio.run(scenario()) == [f"told {who}"] * 2
+    assert mcp_tool.executions[f"chatty:{who}"] == 1
+
+
+class _Chunks(UpstreamResponse):
+    """An MCP server's SSE answer arriving in the given chunks; counts those read."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        super().__init__(200, [(b"content-type", b"text/event-stream")], None, None)  # type: ignore[arg-type]
+        self.chunks = chunks
+        self.read_chunks = 0
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            self.read_chunks += 1
+            yield chunk
+
+
+def _event(message: dict[str, Any]) -> bytes:
+    return b"event: message\r\ndata: " + json.dumps(message).encode() + b"\r\n\r\n"
+
+
+def test_an_sse_answer_is_parsed_across_chunks_and_crlf() -> None:
+    params = {"progressToken": 1, "progress": 1, "message": "result"}
+    progress = _event({"jsonrpc": "2.0", "method": "notifications/progress", "params": params})
+    final = _event({"jsonrpc": "2.0", "id": 7, "result": {"content": []}})
+    stream = progress * 3 + final
+    chunks = [stream[i : i + 5] for i in range(0, len(stream), 5)]  # CR and LF split apart
+    bound = len(progress)  # an event is held until it is whole; the largest is progress
+    answer = asyncio.run(mcp.read_answer(_Chunks(*chunks), 7, bound=bound))
+    assert json.loads(asyncio.run(answer.read())) == {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "result": {"content": []},
+    }
+
+
+def test_reading_stops_at_the_bound() -> None:
+    huge = _Chunks(b"event: message\ndata: {", *([b"x" * 1000] * 100), b"}\n\n")
+    answer = asyncio.run(mcp.read_answer(huge, 7, bound=10_000))
+    assert isinstance(answer, mcp.NotKept)
+    assert huge.read_chunks == 11  # the rest is never read
+    with pytest.raises(ResponseNotStored, match="passed 10000 bytes"):
+        asyncio.run(answer.read())
