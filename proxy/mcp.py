@@ -767,9 +767,9 @@ def _problem_message(problem: dict[str, Any], retry_after: str | None = None) ->
         )
     if code == RESULT_NOT_KEPT:
         return (
-            f"The tool call was executed once, but its result was not kept ({detail}). It "
-            "will not be run again under this key and its result cannot be sent again. "
-            "Check its effect before acting on it; to run it again, use a new key."
+            "The tool call was executed once, but its result was not kept, so it cannot be "
+            "sent. It will not be run again under this key: check its effect before acting "
+            f"on it, or run it again under a new key. ({detail})"
         )
     if code == ARGS_HASH_MISMATCH:
         return f"The idempotency key does not match these arguments: {detail}."

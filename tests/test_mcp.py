@@ -17,9 +17,14 @@ from proxy import mcp
 from proxy.config import parse_config
 from proxy.errors import ConfigError, McpRefused, OutcomeUnknown, ResponseNotStored
 from proxy.forwarding import UpstreamResponse
+from tests import test_offload
 from tests.conftest import ProxyFactory, new_key
+from tests.idp import IdentityProvider
 from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
 from tests.servers import ThreadServer
+from tests.test_auth import auth_config
+from tests.test_offload import BUCKET, S3, s3_offload
+from tests.test_tokens import SECRET_ENV, auth_section
 
 
 @pytest.fixture(scope="module", params=["json", "sse"])
@@ -27,6 +32,9 @@ def mcp_tool(request: pytest.FixtureRequest) -> Iterator[McpTool]:
     tool = McpTool(json_response=request.param == "json").start()
     yield tool
     tool.stop()
+
+
+s3 = test_offload.s3  # moto's S3 server, the fixture of the offload tests
 
 
 def mcp_route(upstream: str, guard: Any = "all", **idempotency: Any) -> dict[str, Any]:
@@ -714,7 +722,9 @@ def test_an_answer_past_the_bound_is_executed_once_and_not_kept(
 
     first, again = asyncio.run(scenario())
     assert first.error.code == again.error.code == mcp.RESULT_NOT_KEPT
-    assert first.error.message.startswith("The tool call was executed once, but its result")
+    assert first.error.message.startswith(
+        "The tool call was executed once, but its result was not kept"
+    )
     assert "passed 4096 bytes" in first.error.message
     assert "will not be run again under this key" in again.error.message
     assert isinstance(again.error.data, dict)
@@ -780,3 +790,119 @@ def test_reading_stops_at_the_bound() -> None:
     assert huge.read_chunks == 11  # the rest is never read
     with pytest.raises(ResponseNotStored, match="passed 10000 bytes"):
         asyncio.run(answer.read())
+
+
+# -- authentication, downstream tokens, offload -----------------------------------------
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_callers_are_authenticated_and_records_scoped_by_principal(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, idp: IdentityProvider
+) -> None:
+    """One key from alice twice: one execution, replayed (with a new token too); from bob:
+    his own execution. Without a token: 401 before any JSON-RPC is read."""
+    spec = {**mcp_route(mcp_tool.url), "auth": {"required": True}}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    who = account()
+    arguments = {"account": who, "cents": 9}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def call(user: str) -> str:
+        async with session(proxy.url + "/mcp", bearer(idp.token(user))) as client:
+            return text(await client.call_tool("charge", arguments, meta=meta))
+
+    async def scenario() -> list[str]:
+        return [await call(user) for user in ("alice", "alice", "bob")]
+
+    alice, alice_again, bob = asyncio.run(scenario())
+    assert alice == alice_again == f"charged 9 to {who} (#1)"
+    assert bob == f"charged 9 to {who} (#2)"
+    assert mcp_tool.executions[who] == 2
+    anonymous = httpx.post(
+        proxy.url + "/mcp",
+        json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "charge"}},
+        headers={"Accept": "application/json, text/event-stream"},
+    )
+    assert anonymous.status_code == 401
+    assert anonymous.headers["content-type"] == "application/problem+json"
+    assert mcp_tool.executions[who] == 2
+
+
+def test_downstream_tokens_are_exchanged_per_caller(
+    make_proxy: ProxyFactory,
+    mcp_tool: McpTool,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``token: token_exchange``: the MCP server gets the proxy's token for each caller,
+    on the session's requests and on the guarded call (fetched once per caller); a
+    replay is alice's own answer."""
+    monkeypatch.setenv(SECRET_ENV, idp.client_secret)
+    spec = {**mcp_route(mcp_tool.url), "auth": {"required": True}}
+    spec["token"] = {
+        "mode": "token_exchange",
+        "token_endpoint": f"{idp.url}/token",
+        "client_id": "tool-proxy",
+        "client_secret_env": SECRET_ENV,
+        "audience": "billing-mcp",
+    }
+    proxy = make_proxy(spec, auth=auth_section(idp))
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+
+    async def call(user: str) -> str:
+        async with session(proxy.url + "/mcp", bearer(idp.token(user))) as client:
+            return text(await client.call_tool("whoami", {"account": who}, meta=meta))
+
+    async def scenario() -> list[str]:
+        return [await call(user) for user in ("alice", "alice", "bob")]
+
+    assert asyncio.run(scenario()) == ["Bearer dt-1-alice", "Bearer dt-1-alice", "Bearer dt-2-bob"]
+    assert mcp_tool.executions[f"whoami:{who}"] == 2
+    assert len(idp.grants) == 2
+    assert idp.grants[0]["grant_type"] == "urn:ietf:params:oauth:grant-type:token-exchange"
+
+
+def test_a_large_result_is_offloaded_to_s3_and_replayed_from_it(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, s3: S3
+) -> None:
+    proxy = make_proxy(mcp_route(mcp_tool.url), offload=s3_offload(s3, threshold=1024))
+    who = account()
+    arguments = {"account": who, "size": 300_000}
+    meta = {"idempotencyKey": new_key(arguments)}
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            return [text(await client.call_tool("report", arguments, meta=meta)) for _ in "ab"]
+
+    first, again = asyncio.run(scenario())
+    assert first == again == "r" * 300_000
+    assert mcp_tool.executions[f"report:{who}"] == 1
+    [stored] = s3.keys()
+    body = s3.client().get_object(Bucket=BUCKET, Key=stored)["Body"].read()
+    assert json.loads(body)["result"]["content"][0]["text"] == first  # the JSON-RPC response
+
+
+def test_offload_lifts_the_stores_bound_but_not_max_answer_bytes(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, s3: S3
+) -> None:
+    spec = bounded_route(mcp_tool.url, 100_000, max_stored_bytes=1000)
+    proxy = make_proxy(spec, offload=s3_offload(s3, threshold=1024))
+    who = account()
+
+    async def scenario() -> tuple[str, McpError]:
+        async with session(proxy.url + "/mcp") as client:
+            fits = {"account": who, "size": 20_000}
+            kept = await client.call_tool("report", fits, meta={"idempotencyKey": new_key(fits)})
+            huge = {"account": who, "size": 200_000}
+            with pytest.raises(McpError) as not_kept:
+                await client.call_tool("report", huge, meta={"idempotencyKey": new_key(huge)})
+            return text(kept), not_kept.value
+
+    kept, not_kept = asyncio.run(scenario())
+    assert kept == "r" * 20_000
+    assert not_kept.error.code == mcp.RESULT_NOT_KEPT
+    assert mcp_tool.executions[f"report:{who}"] == 2
