@@ -25,9 +25,11 @@ and is recorded, and the retry gets its result.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -56,7 +58,7 @@ from proxy.errors import (
     ResponseNotStored,
 )
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import Guard, Outcome
+from proxy.idempotency import Forward, Guard, Outcome
 from proxy.keys import KeyKind, canonical_json, parse_composite, parse_opaque
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
@@ -285,31 +287,137 @@ class McpView:
         if op is None:  # no key, and the route does not require one
             return await self._unguarded(exchange, call, body)
 
+        progress = Progress() if _wants_sse(accept, True) else None
+
         async def forward() -> UpstreamResponse:
             sent = await exchange.forward(body, once=True, policies=True)
-            return await read_answer(sent, call.id, self._not_run, self.answer_bound)
+            return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
 
         flight = (session, call.id)
         self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
+        attempt = self._attempt(op, forward, exchange.lookup(), flight)
+        if progress is None:  # JSON only: the answer once it is had whole
+            return await _concluded(await attempt, call.id, accept, session, op.label)
+        # The call runs in a task of its own: its SSE answer may start (progress) before it
+        # ends; it goes on, and is recorded, if the caller leaves (the shutdown waits).
+        run = self.guard.tasks.spawn(attempt)
+        run.add_done_callback(progress.ended)
+        await asyncio.wait((run, progress.started), return_when=asyncio.FIRST_COMPLETED)
+        if run.done():  # a replay, a refusal, or a JSON answer
+            return await _concluded(run.result(), call.id, accept, session, op.label)
+        return Handled(
+            progress.response(run, call.id, accept, session, op.label), Outcome.EXECUTED, op.label
+        )
+
+    async def _attempt(
+        self, op: Operation, forward: Forward, lookup: Lookup | None, flight: tuple[str, str | int]
+    ) -> Attempt:
+        """The state machine's answer, or its refusal as a value."""
+        assert self.guard is not None
         try:
-            response, outcome = await self.guard.run(op, forward, exchange.lookup())
-        except McpRefused as exc:  # the server refused it at the HTTP level: sent on as is
-            stored = exc.answer
-            headers = [*stored.headers, (b"content-length", str(len(stored.body)).encode())]
-            return Handled(Reply(stored.status, headers, stored.body), Outcome.RELEASED, op.label)
+            return await self.guard.run(op, forward, lookup)
         except ProxyError as exc:
-            conflict = isinstance(exc, RequestInProgress)
-            return Handled(refusal(call.id, exc), _refused(exc, conflict), op.label)
+            return exc
         finally:
             self._landed(flight)
-        replayed = outcome is Outcome.REPLAYED
-        rendered = await render(response, call.id, accept, session, replayed=replayed)
-        return Handled(rendered, outcome, op.label)
 
     def _landed(self, flight: tuple[str, str | int]) -> None:
         left = self.in_flight.pop(flight, 1) - 1
         if left:
             self.in_flight[flight] = left
+
+
+Attempt = tuple[Response, Outcome] | ProxyError
+"""What the state machine made of a guarded call: its answer, or its refusal."""
+
+
+async def _concluded(
+    attempt: Attempt, id: str | int, accept: str, session: str, label: str
+) -> Handled:
+    """A guarded call's answer to its caller, in MCP form."""
+    if isinstance(attempt, McpRefused):  # the server refused it at the HTTP level: as is
+        stored = attempt.answer
+        headers = [*stored.headers, (b"content-length", str(len(stored.body)).encode())]
+        return Handled(Reply(stored.status, headers, stored.body), Outcome.RELEASED, label)
+    if isinstance(attempt, ProxyError):
+        conflict = isinstance(attempt, RequestInProgress)
+        return Handled(refusal(id, attempt), _refused(attempt, conflict), label)
+    response, outcome = attempt
+    replayed = outcome is Outcome.REPLAYED
+    rendered = await render(response, id, accept, session, replayed=replayed)
+    return Handled(rendered, outcome, label)
+
+
+# Messages of the server held for a slow first caller, at most; past it, progress
+# notifications are dropped (the server's requests, e.g. elicitation, never are).
+MAX_HELD_EVENTS = 256
+
+
+class Progress:
+    """The first caller's view of a guarded call answered over SSE: the server's messages
+    before the result (progress, its requests) are passed on as they arrive, then the
+    result as the state machine recorded it. The reading of the answer never waits for
+    the caller: what a slow caller has not taken yet is held (``MAX_HELD_EVENTS``)."""
+
+    def __init__(self) -> None:
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Done when the server's answer turned out to be an SSE stream."""
+        self._held: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._gone = False
+
+    def start(self) -> None:
+        if not self.started.done():
+            self.started.set_result(None)
+
+    def event(self, data: bytes) -> None:
+        """A message of the server on the call's stream that is not its result."""
+        if self._gone:
+            return
+        if len(self._held) >= MAX_HELD_EVENTS and b'"notifications/progress"' in data:
+            return
+        self._held.append(data)
+        self._wake.set()
+
+    def ended(self, run: asyncio.Task[Attempt]) -> None:
+        self._wake.set()
+
+    def response(
+        self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
+    ) -> Response:
+        """The SSE stream to the first caller."""
+        response = StreamingResponse(self._frames(run, id, accept, session, label), 200)
+        extra: RawHeaders = [(_SESSION, session.encode())] if session else []
+        response.raw_headers = [
+            (b"content-type", SSE.encode()),
+            (b"cache-control", b"no-cache"),
+            *extra,
+        ]
+        return response
+
+    async def _frames(
+        self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                while self._held:
+                    yield _event(self._held.popleft())
+                if run.done():
+                    break
+                self._wake.clear()
+                await self._wake.wait()
+        finally:  # also when the caller goes away: the call goes on without it
+            self._gone = True
+            self._held.clear()
+        handled = await _concluded(run.result(), id, accept, session, label)
+        final = await _body(handled.response)
+        if _content_type(handled.response.raw_headers) != SSE:
+            final = _event(final)
+        yield final
+
+
+def _event(data: bytes) -> bytes:
+    return b"event: message\ndata: " + data + b"\n\n"
 
 
 def _is_request(message: object, method: str) -> bool:
@@ -491,6 +599,7 @@ async def read_answer(
     id: str | int,
     not_run: frozenset[int] = frozenset(),
     bound: int = DEFAULT_MAX_ANSWER_BYTES,
+    progress: Progress | None = None,
 ) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
     response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
@@ -498,13 +607,18 @@ async def read_answer(
     ``release_on_status``); ``OutcomeUnknown`` (recorded FAILED) for any other status that
     is not 200, or a 200 answer that holds no response to ``id``. An answer that holds
     more than ``bound`` bytes at once is not kept: the answer returned says so when it is
-    read (``NotKept``), and the call is recorded as executed, its result not kept."""
+    read (``NotKept``), and the call is recorded as executed, its result not kept.
+    ``progress`` is given the other messages of an SSE answer as they arrive."""
     if upstream.status != 200:
         await _not_answered(upstream, not_run, bound)
     sse = _content_type(upstream.headers) == SSE
     raw: bytes | None
     try:
-        raw = await (_final_event(upstream, id, bound) if sse else _read_bounded(upstream, bound))
+        if sse and progress is not None:
+            progress.start()
+        raw = await (
+            _final_event(upstream, id, bound, progress) if sse else _read_bounded(upstream, bound)
+        )
     except AnswerTooLarge:
         return NotKept(
             200,
@@ -590,7 +704,9 @@ async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _final_event(upstream: UpstreamResponse, id: RequestId, bound: int) -> bytes | None:
+async def _final_event(
+    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Progress | None = None
+) -> bytes | None:
     """The data of the SSE stream's last event that holds the response to ``id``, read as
     the stream arrives: other events (progress, the server's requests) are dropped once
     parsed. ``AnswerTooLarge`` when the kept event and the part not parsed yet pass
@@ -610,6 +726,8 @@ async def _final_event(upstream: UpstreamResponse, id: RequestId, bound: int) ->
                 for data in sse_data(bytes(pending[: end + 2])):
                     if _answers(data, id):
                         found = data
+                    elif progress is not None:
+                        progress.event(data)
                 del pending[: end + 2]
             if len(pending) + (len(found) if found is not None else 0) > bound:
                 raise AnswerTooLarge()

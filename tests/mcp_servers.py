@@ -18,6 +18,7 @@ from mcp.server.fastmcp.exceptions import ToolError
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.types import ToolAnnotations
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
@@ -96,11 +97,21 @@ class McpTool:
             return f"told {account}"
 
         @server.tool()
+        async def close(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Asks the client to confirm (elicitation, on the call's SSE stream), then acts."""
+            answer = await ctx.elicit(f"Close {account}?", Confirmation)
+            if answer.action != "accept" or not answer.data.sure:
+                return f"kept {account}"
+            self.executions[f"close:{account}"] += 1
+            return f"closed {account}"
+
+        @server.tool()
         def whoami(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
             """The Authorization header this call reached the server with (counted)."""
             self.executions[f"whoami:{account}"] += 1
             return _header(ctx, "authorization")
 
+        self.tools = [tool.name for tool in server._tool_manager.list_tools()]
         self.server = ThreadServer(server.streamable_http_app())
 
     def start(self) -> McpTool:
@@ -115,6 +126,12 @@ class McpTool:
         self.server.stop()
 
 
+class Confirmation(BaseModel):
+    """What ``close`` asks the client for."""
+
+    sure: bool
+
+
 def _header(ctx: Context, name: str) -> str:  # type: ignore[type-arg]
     """A header of the HTTP request that carried the current call."""
     request = ctx.request_context.request
@@ -122,12 +139,15 @@ def _header(ctx: Context, name: str) -> str:  # type: ignore[type-arg]
 
 
 @asynccontextmanager
-async def session(url: str, headers: dict[str, str] | None = None) -> AsyncIterator[ClientSession]:
-    """An initialized SDK client session on ``url`` (the MCP endpoint)."""
+async def session(
+    url: str, headers: dict[str, str] | None = None, **callbacks: Any
+) -> AsyncIterator[ClientSession]:
+    """An initialized SDK client session on ``url`` (the MCP endpoint); ``callbacks``
+    go to ``ClientSession`` (e.g. ``elicitation_callback``)."""
     async with (
         httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30, read=300)) as http,
         streamable_http_client(url, http_client=http) as (read, write, _),
-        ClientSession(read, write) as client,
+        ClientSession(read, write, **callbacks) as client,
     ):
         await client.initialize()
         yield client

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from mcp import types
 from mcp.shared.exceptions import McpError
 
 from proxy import mcp
@@ -164,25 +165,59 @@ def test_an_error_result_is_replayed(make_proxy: ProxyFactory, mcp_tool: McpTool
     assert mcp_tool.executions[f"refund:{who}"] == 1
 
 
-def test_progress_is_not_recorded(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+def test_progress_reaches_the_first_caller_and_is_not_recorded(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """Over SSE the first caller gets the progress as it comes, then the result; the
+    retry gets the recorded result alone. (FastMCP's JSON mode sends no progress.)"""
     proxy = through(make_proxy, mcp_tool)
     who = account()
     meta = {"idempotencyKey": new_key({"account": who})}
-    seen: list[float] = []
-
-    async def progress(progress: float, total: float | None, message: str | None) -> None:
-        seen.append(progress)
+    seen: list[list[float]] = []
 
     async def scenario() -> list[str]:
         async with session(proxy.url + "/mcp") as client:
-            return [
-                text(await client.call_tool("export", {"account": who}, None, progress, meta=meta))
-                for _ in "ab"
-            ]
+            answers = []
+            for _ in "ab":
+                seen.append([])
+
+                async def report(progress: float, total: float | None, message: str | None) -> None:
+                    seen[-1].append(progress)
+
+                result = await client.call_tool("export", {"account": who}, None, report, meta=meta)
+                answers.append(text(result))
+            return answers
 
     assert asyncio.run(scenario()) == [f"exported {who}"] * 2
     assert mcp_tool.executions[f"export:{who}"] == 1
-    assert seen == []  # the answer is the final response: progress is not passed on
+    assert seen == ([[], []] if mcp_tool.json_response else [[0, 1, 2], []])
+
+
+def test_the_servers_request_reaches_the_first_caller_who_answers_it(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """A guarded tool that asks the client (elicitation) on its SSE stream gets its answer
+    through the proxy; the retry gets the recorded result and is asked nothing."""
+    if mcp_tool.json_response:
+        pytest.skip("the server's requests need an SSE answer")
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+    asked: list[str] = []
+
+    async def confirm(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"sure": True})
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp", elicitation_callback=confirm) as client:
+            return [
+                text(await client.call_tool("close", {"account": who}, meta=meta)) for _ in "ab"
+            ]
+
+    assert asyncio.run(scenario()) == [f"closed {who}"] * 2
+    assert asked == [f"Close {who}?"]
+    assert mcp_tool.executions[f"close:{who}"] == 1
 
 
 def test_an_unknown_outcome_is_an_error_that_says_what_to_do(
@@ -229,16 +264,7 @@ def test_annotated_guards_only_tools_with_side_effects(
             return sorted(tool.name for tool in listed.tools), unknown.value
 
     names, unknown = asyncio.run(scenario())
-    assert names == [
-        "balance",
-        "charge",
-        "chatty",
-        "export",
-        "refund",
-        "report",
-        "transfer",
-        "whoami",
-    ]
+    assert names == sorted(mcp_tool.tools)
     assert unknown.error.code == mcp.KEY_MISSING
     assert "params._meta.idempotencyKey" in unknown.error.message
     assert mcp_tool.executions[f"balance:{who}"] == 2
