@@ -7,19 +7,24 @@ A ``protocol: mcp`` route serves one MCP endpoint. Only a JSON-RPC request with 
 
 - the key comes from the ``Idempotency-Key`` header or ``params._meta.<key_meta>``;
 - a composite key's ``args_hash`` is the SHA-256 of the RFC 8785 form of the arguments;
-- the fingerprint is the tool's name with that digest.
+- the fingerprint is the tool's name with that digest;
+- its ``MCP-Protocol-Version`` must be one of ``PROTOCOL_VERSIONS`` (absent: 2025-03-26),
+  else 400 and nothing is sent.
 
 The tool server's answer is recorded as its JSON-RPC response (from an SSE stream, the
-final response: progress is not recorded). The caller gets it with its own ``id``, as
+final response, read as it arrives within ``mcp.max_answer_bytes``: past it the call is
+recorded executed, its result not kept). The first caller gets the stream's other
+messages (progress, the server's requests) as they arrive when it takes SSE
+(``Progress``), then the result; a retry gets the result alone, with its own ``id``, as
 JSON or as a one-event SSE stream, whichever its Accept prefers (on a tie, the form the
-tool server used); a replay adds ``Idempotent-Replayed: true``. The proxy's refusals
-(in progress, key missing or reused, outcome unknown, ...) are JSON-RPC errors for the
-request's ``id``, their ``error.data`` the RFC 9457 document of the HTTP routes.
+tool server used), and ``Idempotent-Replayed: true``. The proxy's refusals (in progress,
+key missing or reused, outcome unknown, a policy's refusal, ...) are JSON-RPC errors for
+the request's ``id``, their ``error.data`` the RFC 9457 document of the HTTP routes.
 
 Everything else (``initialize``, ``tools/list``, notifications, responses, GET streams,
 session DELETE) passes through unchanged; ``guard: annotated`` learns tool annotations
-from the ``tools/list`` answers on the way back. A ``notifications/cancelled`` naming a
-guarded call still in flight is answered here (202) and not forwarded: the call completes
+from the ``tools/list`` answers on the way back. On a route that guards calls, a
+``notifications/cancelled`` is answered here (202) and not forwarded: the call completes
 and is recorded, and the retry gets its result.
 """
 
@@ -183,8 +188,6 @@ class McpView:
         self.named = frozenset(() if isinstance(self.config.guard, McpGuard) else self.config.guard)
         self.unguarded: dict[str, bool] = {}
         """Tool name → True if its annotations say read-only or idempotent (annotated)."""
-        self.in_flight: dict[tuple[str, str | int], int] = {}
-        """(session, id) of the guarded calls being run or awaited now."""
         release = self.policy.release_on_status if self.policy is not None else ()
         self._not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
@@ -219,7 +222,7 @@ class McpView:
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
                 return Handled(error_reply(call.id, *unsupported, status=400), Outcome.REJECTED)
             return await self._guarded(request, exchange, principal, session, call, body)
-        if isinstance(message, types.JSONRPCNotification) and self._cancels(session, message):
+        if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
@@ -238,14 +241,10 @@ class McpView:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
-    def _cancels(self, session: str, note: types.JSONRPCNotification) -> bool:
-        """True if ``note`` cancels a guarded call in flight: it is not forwarded."""
-        if note.method != "notifications/cancelled" or not note.params:
-            return False
-        if self.guard is not None:  # it may name a guarded call running on another replica
-            return True
-        named = note.params.get("requestId")
-        return isinstance(named, str | int) and (session, named) in self.in_flight
+    def _cancels(self, note: types.JSONRPCNotification) -> bool:
+        """True if ``note`` is a cancellation on a route that guards calls: it is not
+        forwarded (it may name a guarded call running here or on another replica)."""
+        return self.guard is not None and note.method == "notifications/cancelled"
 
     async def _listed(self, exchange: Exchange, body: bytes) -> Response:
         """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
@@ -293,9 +292,7 @@ class McpView:
             sent = await exchange.forward(body, once=True, policies=True)
             return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
 
-        flight = (session, call.id)
-        self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
-        attempt = self._attempt(op, forward, exchange.lookup(), flight)
+        attempt = self._attempt(op, forward, exchange.lookup())
         if progress is None:  # JSON only: the answer once it is had whole
             return await _concluded(await attempt, call.id, accept, session, op.label)
         # The call runs in a task of its own: its SSE answer may start (progress) before it
@@ -303,28 +300,19 @@ class McpView:
         run = self.guard.tasks.spawn(attempt)
         run.add_done_callback(progress.ended)
         await asyncio.wait((run, progress.started), return_when=asyncio.FIRST_COMPLETED)
-        if run.done():  # a replay, a refusal, or a JSON answer
+        if not progress.started.done():  # a replay, a refusal, or a JSON answer
             return await _concluded(run.result(), call.id, accept, session, op.label)
         return Handled(
             progress.response(run, call.id, accept, session, op.label), Outcome.EXECUTED, op.label
         )
 
-    async def _attempt(
-        self, op: Operation, forward: Forward, lookup: Lookup | None, flight: tuple[str, str | int]
-    ) -> Attempt:
+    async def _attempt(self, op: Operation, forward: Forward, lookup: Lookup | None) -> Attempt:
         """The state machine's answer, or its refusal as a value."""
         assert self.guard is not None
         try:
             return await self.guard.run(op, forward, lookup)
         except ProxyError as exc:
             return exc
-        finally:
-            self._landed(flight)
-
-    def _landed(self, flight: tuple[str, str | int]) -> None:
-        left = self.in_flight.pop(flight, 1) - 1
-        if left:
-            self.in_flight[flight] = left
 
 
 Attempt = tuple[Response, Outcome] | ProxyError
