@@ -932,3 +932,32 @@ def test_offload_lifts_the_stores_bound_but_not_max_answer_bytes(
     assert kept == "r" * 20_000
     assert not_kept.error.code == mcp.RESULT_NOT_KEPT
     assert mcp_tool.executions[f"report:{who}"] == 2
+
+
+def test_versioned_writes_keyed_by_an_argument_refuse_a_stale_if_match(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """``versioning.key: json:/params/arguments/account``: each tools/call is a write; two
+    calls with the same If-Match: the first runs (ETag "1"), the second gets 412 as its
+    JSON-RPC error, nothing sent. (HTTP headers: MCP clients rarely set them per call.)"""
+    spec = mcp_route(mcp_tool.url)
+    spec["versioning"] = {"key": "json:/params/arguments/account"}
+    proxy = make_proxy(spec)
+    who = account()
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answers = []
+        for cents in (1, 2):
+            arguments = {"account": who, "cents": cents}
+            call = {"name": "transfer", "arguments": arguments,
+                    "_meta": {"idempotencyKey": new_key(arguments)}}  # fmt: skip
+            message = {"jsonrpc": "2.0", "id": cents, "method": "tools/call", "params": call}
+            answers.append(raw.post(message, **{"If-Match": '"0"'}))
+    first, stale = answers
+    assert first.headers["etag"] == '"1"'
+    assert message_of(first)["result"]["content"][0]["text"] == f"moved 1 from {who}"
+    error = message_of(stale)["error"]
+    assert error["code"] == mcp.REFUSED
+    assert error["data"]["type"] == "urn:tool-proxy:problem:precondition-failed"
+    assert stale.headers["etag"] == '"1"'
+    assert mcp_tool.executions[f"transfer:{who}"] == 1
