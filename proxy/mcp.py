@@ -679,8 +679,10 @@ async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
     """The whole body; ``AnswerTooLarge`` as soon as it passes ``bound`` (nothing more is
     read: the connection is closed)."""
     if upstream.length is not None and upstream.length > bound:
-        async with _chunks(upstream):
-            raise AnswerTooLarge()
+        async with _chunks(upstream) as body:
+            async for _ in body:  # started, so that closing it frees the connection and
+                break  # tells the policies (locks, slots) the answer ended unread
+        raise AnswerTooLarge()
     chunks: list[bytes] = []
     size = 0
     async with _chunks(upstream) as body:

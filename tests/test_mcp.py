@@ -783,11 +783,15 @@ class _Chunks(UpstreamResponse):
         super().__init__(200, [(b"content-type", b"text/event-stream")], None, None)  # type: ignore[arg-type]
         self.chunks = chunks
         self.read_chunks = 0
+        self.closed = False
 
     async def stream(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            self.read_chunks += 1
-            yield chunk
+        try:
+            for chunk in self.chunks:
+                self.read_chunks += 1
+                yield chunk
+        finally:
+            self.closed = True
 
 
 def _event(message: dict[str, Any]) -> bytes:
@@ -809,11 +813,19 @@ def test_an_sse_answer_is_parsed_across_chunks_and_crlf() -> None:
     }
 
 
+def test_an_answer_declared_past_the_bound_is_not_read_and_its_connection_freed() -> None:
+    answer = _Chunks(b"x" * 1000, b"x" * 1000)
+    answer.headers, answer.length = [(b"content-type", b"application/json")], 2000
+    kept = asyncio.run(mcp.read_answer(answer, 7, bound=1500))
+    assert isinstance(kept, mcp.NotKept)
+    assert answer.read_chunks == 1 and answer.closed
+
+
 def test_reading_stops_at_the_bound() -> None:
     huge = _Chunks(b"event: message\ndata: {", *([b"x" * 1000] * 100), b"}\n\n")
     answer = asyncio.run(mcp.read_answer(huge, 7, bound=10_000))
     assert isinstance(answer, mcp.NotKept)
-    assert huge.read_chunks == 11  # the rest is never read
+    assert huge.read_chunks == 11 and huge.closed  # the rest is never read
     with pytest.raises(ResponseNotStored, match="passed 10000 bytes"):
         asyncio.run(answer.read())
 
