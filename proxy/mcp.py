@@ -88,6 +88,12 @@ REFUSED = -32019
 # is what the transport spec has a server assume when the header is absent.
 PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
 DEFAULT_PROTOCOL_VERSION = "2025-03-26"
+# Where a 2026-07-28 request states its revision itself (it must match the header).
+VERSION_META = "io.modelcontextprotocol/protocolVersion"
+# The spec's codes (2026-07-28) for a request whose headers disagree with its body, and
+# for a revision the receiver does not serve (data: {supported, requested}); HTTP 400.
+HEADER_MISMATCH = -32020
+UNSUPPORTED_PROTOCOL_VERSION = -32022
 _SUPPORTED = frozenset(PROTOCOL_VERSIONS)
 # A GET stream (the server's own messages) is cut after this long, not the route's
 # timeout (a call's bound); the client opens it again.
@@ -218,9 +224,9 @@ class McpView:
             )
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
-            unsupported = unsupported_version(request)
+            unsupported = unsupported_version(request, call)
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
-                return Handled(error_reply(call.id, *unsupported, status=400), Outcome.REJECTED)
+                return Handled(unsupported, Outcome.REJECTED)
             return await self._guarded(request, exchange, principal, session, call, body)
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
@@ -546,19 +552,35 @@ def _header(request: Incoming, name: bytes) -> str:
     return ""
 
 
-def unsupported_version(request: Incoming) -> tuple[int, str] | None:
-    """The JSON-RPC error (code, message) for a ``MCP-Protocol-Version`` the proxy does not
-    guard calls of; None for a supported one. No header: the transport spec's assumption,
-    2025-03-26 (whose ``tools/call`` is the same)."""
+def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
+    """The 400 answer to a guarded call of a revision the proxy does not guard calls of;
+    None for a supported one. The revision is the ``MCP-Protocol-Version`` header's and,
+    from 2026-07-28, the request's own (``params._meta``, which must agree); neither:
+    the transport spec's assumption, 2025-03-26 (whose ``tools/call`` is the same)."""
     versions = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _VERSION}
+    declared = call.meta.get(VERSION_META)
+    if declared is not None and versions and versions != {declared}:
+        return error_reply(
+            call.id,
+            HEADER_MISMATCH,
+            "Bad Request: the MCP-Protocol-Version header does not match the request's "
+            f"params._meta[{VERSION_META!r}]; the call was not sent",
+            status=400,
+        )
+    if declared is not None:
+        versions = {declared if isinstance(declared, str) else json.dumps(declared)}
     if len(versions or {DEFAULT_PROTOCOL_VERSION}) == 1 and versions <= _SUPPORTED:
         return None
     version = ", ".join(sorted(versions))  # two different ones: neither is the session's
     shown = version if len(version) <= 40 and version.isprintable() else version[:40] + "..."
-    return (
-        types.INVALID_REQUEST,
-        f"Bad Request: unsupported MCP-Protocol-Version {shown!r}: tool-proxy guards "
-        f"tools/call of the revisions {', '.join(PROTOCOL_VERSIONS)}; the call was not sent",
+    data = {"supported": list(PROTOCOL_VERSIONS), "requested": shown}
+    return error_reply(
+        call.id,
+        UNSUPPORTED_PROTOCOL_VERSION,
+        f"Unsupported protocol version {shown!r}: tool-proxy guards tools/call of the "
+        f"revisions {', '.join(PROTOCOL_VERSIONS)}; the call was not sent",
+        status=400,
+        data=data,
     )
 
 
@@ -912,8 +934,8 @@ def _error_response(id: str | int, code: int, message: str, data: Any) -> Reply:
     return _framed(error.model_dump_json(by_alias=True, exclude_none=True).encode(), False, [])
 
 
-def error_reply(id: RequestId, code: int, message: str, *, status: int) -> Reply:
+def error_reply(id: RequestId, code: int, message: str, *, status: int, data: Any = None) -> Reply:
     """A JSON-RPC error for a body that is not what the proxy can guard."""
-    error = types.ErrorData(code=code, message=message).model_dump(exclude_none=True)
+    error = types.ErrorData(code=code, message=message, data=data).model_dump(exclude_none=True)
     payload = json.dumps({"jsonrpc": "2.0", "id": id, "error": error}).encode()
     return _framed(payload, False, [], status)

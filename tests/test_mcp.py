@@ -663,12 +663,44 @@ def test_an_unsupported_revision_is_refused_with_400_and_nothing_sent(
     assert answer.status_code == 400
     assert answer.headers["content-type"] == "application/json"
     message = answer.json()
-    assert message["id"] == 8 and message["error"]["code"] == -32600
-    assert f"unsupported MCP-Protocol-Version '{version}'" in message["error"]["message"]
-    assert "2025-06-18, 2025-11-25, 2026-07-28" in message["error"]["message"]
+    assert message["id"] == 8 and message["error"]["code"] == mcp.UNSUPPORTED_PROTOCOL_VERSION
+    assert f"Unsupported protocol version '{version}'" in message["error"]["message"]
+    assert message["error"]["data"] == {
+        "supported": ["2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28"],
+        "requested": version,
+    }
     assert listed.status_code == 200
     assert "idempotent-replayed" not in retried.headers  # nothing was claimed
     assert mcp_tool.executions[who] == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "declared", "code"),
+    [
+        ("2026-07-28", "2025-11-25", mcp.HEADER_MISMATCH),
+        (None, "2099-01-01", mcp.UNSUPPORTED_PROTOCOL_VERSION),
+        ("2026-07-28", "2099-01-01", mcp.HEADER_MISMATCH),
+    ],
+)
+def test_a_revision_stated_in_the_request_must_be_supported_and_match_the_header(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, header: str | None, declared: str, code: int
+) -> None:
+    """2026-07-28 requests state their revision in params._meta too."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 4}
+    meta = {"idempotencyKey": new_key(arguments), mcp.VERSION_META: declared}
+    call = {"name": "charge", "arguments": arguments, "_meta": meta}
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        del raw.headers["MCP-Protocol-Version"]
+        extra = {} if header is None else {"MCP-Protocol-Version": header}
+        answer = raw.post(
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call}, **extra
+        )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == code
+    assert mcp_tool.executions[who] == 0
 
 
 def test_the_newest_revision_passes_the_proxy_and_the_server_answers_it(
