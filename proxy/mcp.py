@@ -646,9 +646,24 @@ async def read_answer(
         )
     body = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
     headers: RawHeaders = [(b"content-type", JSON.encode())]
+    if _input_required(answer):  # not the call's outcome: the client sends it again
+        raise McpRefused(
+            "the MCP server needs input before the call can complete (2026-07-28 "
+            "InputRequiredResult): the key is free for the call that brings it",
+            StoredResponse.of(200, headers, body),
+        )
     if sse:
         headers.append((_FORM_HEADER, b"sse"))
     return ReadAnswer(upstream.status, headers, len(body), upstream._response, body)
+
+
+def _input_required(answer: types.JSONRPCResponse | types.JSONRPCError) -> bool:
+    """True for a 2026-07-28 ``InputRequiredResult``: the server asks the client for input
+    (elicitation, sampling) and to send the call again with it (``inputResponses``,
+    ``requestState``); the call has not completed."""
+    return isinstance(answer, types.JSONRPCResponse) and (
+        answer.result.get("resultType") == "input_required"
+    )
 
 
 async def _not_answered(

@@ -1005,3 +1005,15 @@ def test_versioned_writes_keyed_by_an_argument_refuse_a_stale_if_match(
     assert error["data"]["type"] == "urn:tool-proxy:problem:precondition-failed"
     assert stale.headers["etag"] == '"1"'
     assert mcp_tool.executions[f"transfer:{who}"] == 1
+
+
+def test_an_input_required_result_is_not_the_calls_outcome() -> None:
+    """2026-07-28: a server that needs input answers ``resultType: input_required``; the
+    client sends the call again with ``inputResponses``: the key is released for it."""
+    result = {"resultType": "input_required", "requestState": "s1", "inputRequests": {}}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "result": result}).encode()
+    with pytest.raises(McpRefused) as released:
+        asyncio.run(mcp.read_answer(_Answer(200, body), 1))
+    assert json.loads(released.value.answer.body)["result"] == result
+    done = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"content": []}}).encode()
+    assert isinstance(asyncio.run(mcp.read_answer(_Answer(200, done), 1)), mcp.ReadAnswer)
