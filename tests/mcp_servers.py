@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import anyio.to_thread
 import httpx
 from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
@@ -39,14 +41,21 @@ class McpTool:
         """The most transfers of one account that ran at once."""
         self.fencing: list[str] = []
         """The Fencing-Token of each transfer, in the order they finished."""
+        self.gate = threading.Event()
+        """Calls with ``hold`` wait until it is set (it is, but while a test holds them)."""
+        self.gate.set()
+        self.finished: defaultdict[str, threading.Event] = defaultdict(threading.Event)
+        """Set once ``charge`` of an account has counted."""
         self.json_response = json_response
         server = FastMCP("billing", json_response=json_response, log_level="WARNING")
 
         @server.tool()
-        async def charge(account: str, cents: int, delay: float = 0.0) -> str:
-            """Charge an account (a side effect)."""
-            await asyncio.sleep(delay)
+        async def charge(account: str, cents: int, hold: bool = False) -> str:
+            """Charge an account (a side effect); ``hold``: not before ``gate`` opens."""
+            if hold:
+                await anyio.to_thread.run_sync(self.gate.wait, 30)
             self.executions[account] += 1
+            self.finished[account].set()
             return f"charged {cents} to {account} (#{self.executions[account]})"
 
         @server.tool()
@@ -113,6 +122,15 @@ class McpTool:
 
         self.tools = [tool.name for tool in server._tool_manager.list_tools()]
         self.server = ThreadServer(server.streamable_http_app())
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Calls with ``hold: true`` wait while in this block."""
+        self.gate.clear()
+        try:
+            yield
+        finally:
+            self.gate.set()
 
     def start(self) -> McpTool:
         self.server.start()

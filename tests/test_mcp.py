@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -35,6 +35,7 @@ def mcp_tool(request: pytest.FixtureRequest) -> Iterator[McpTool]:
     tool.stop()
 
 
+T = TypeVar("T")
 s3 = test_offload.s3  # moto's S3 server, the fixture of the offload tests
 
 
@@ -98,22 +99,22 @@ def test_a_client_that_times_out_gets_in_progress_then_the_replay(
 ) -> None:
     proxy = through(make_proxy, mcp_tool)
     who = account()
-    arguments = {"account": who, "cents": 5, "delay": 1.0}
+    arguments = {"account": who, "cents": 5, "hold": True}
     meta = {"idempotencyKey": new_key(arguments)}
 
     async def scenario() -> tuple[McpError, McpError, Any]:
         async with session(proxy.url + "/mcp") as client:
-            short = timedelta(seconds=0.2)
-            with pytest.raises(McpError) as timed_out:  # the SDK then sends a cancellation
-                await client.call_tool("charge", arguments, short, meta=meta)
-            with pytest.raises(McpError) as busy:
-                await client.call_tool("charge", arguments, meta=meta)
-            await asyncio.sleep(1.2)
-            return (
-                timed_out.value,
-                busy.value,
-                await client.call_tool("charge", arguments, meta=meta),
+            with mcp_tool.holding():
+                short = timedelta(seconds=0.2)
+                with pytest.raises(McpError) as timed_out:  # the SDK then sends a cancellation
+                    await client.call_tool("charge", arguments, short, meta=meta)
+                with pytest.raises(McpError) as busy:
+                    await client.call_tool("charge", arguments, meta=meta)
+            await asyncio.to_thread(mcp_tool.finished[who].wait, 10)
+            replayed = await until_recorded(
+                lambda: client.call_tool("charge", arguments, meta=meta)
             )
+            return timed_out.value, busy.value, replayed
 
     timed_out, busy, replayed = asyncio.run(scenario())
     assert "Timed out" in str(timed_out)
@@ -124,6 +125,18 @@ def test_a_client_that_times_out_gets_in_progress_then_the_replay(
     assert busy.error.data["retry_after"] == 1
     assert text(replayed) == f"charged 5 to {who} (#1)"  # the cancelled call completed
     assert mcp_tool.executions[who] == 1
+
+
+async def until_recorded(call: Callable[[], Awaitable[T]], attempts: int = 200) -> T:
+    """``call``'s answer once the call it repeats is no longer in progress (its tool has
+    answered; its recording takes a moment more)."""
+    for _ in range(attempts - 1):
+        try:
+            return await call()
+        except McpError as exc:
+            if exc.error.code != mcp.IN_PROGRESS:
+                raise
+    return await call()
 
 
 def test_other_arguments_under_the_same_step_are_a_new_execution(
@@ -225,17 +238,18 @@ def test_an_unknown_outcome_is_an_error_that_says_what_to_do(
 ) -> None:
     proxy = make_proxy({**mcp_route(mcp_tool.url), "timeout": "300ms"})
     who = account()
-    arguments = {"account": who, "cents": 3, "delay": 0.6}
+    arguments = {"account": who, "cents": 3, "hold": True}
     meta = {"idempotencyKey": new_key(arguments)}
 
     async def scenario() -> list[McpError]:
         async with session(proxy.url + "/mcp") as client:
             errors = []
-            for _ in "ab":
-                with pytest.raises(McpError) as unknown:
-                    await client.call_tool("charge", arguments, meta=meta)
-                errors.append(unknown.value)
-            await asyncio.sleep(0.5)  # the tool finishes in the session
+            with mcp_tool.holding():  # past the route's timeout
+                for _ in "ab":
+                    with pytest.raises(McpError) as unknown:
+                        await client.call_tool("charge", arguments, meta=meta)
+                    errors.append(unknown.value)
+            await asyncio.to_thread(mcp_tool.finished[who].wait, 10)  # in the session
             return errors
 
     first, again = asyncio.run(scenario())
@@ -369,8 +383,9 @@ def test_a_task_augmented_call_sent_again_gets_the_same_task(make_proxy: ProxyFa
                 tasks = client.experimental
                 first = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
                 again = await tasks.call_tool_as_task("provision", {"db": "orders"}, meta=meta)
-                await asyncio.sleep(0.3)
-                status = await tasks.get_task(again.task.taskId)  # tasks/* pass through
+                async for status in tasks.poll_task(again.task.taskId):  # tasks/* pass through
+                    if status.status != "working":
+                        break
                 return first, again, status
 
         first, again, status = asyncio.run(scenario())
