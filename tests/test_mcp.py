@@ -13,6 +13,7 @@ import httpx
 import pytest
 from mcp import types
 from mcp.shared.exceptions import McpError
+from starlette.responses import StreamingResponse
 
 from proxy import mcp
 from proxy.config import parse_config
@@ -1032,3 +1033,27 @@ def test_an_input_required_result_is_not_the_calls_outcome() -> None:
     assert json.loads(released.value.answer.body)["result"] == result
     done = json.dumps({"jsonrpc": "2.0", "id": 1, "result": {"content": []}}).encode()
     assert isinstance(asyncio.run(mcp.read_answer(_Answer(200, done), 1)), mcp.ReadAnswer)
+
+
+def test_a_slow_first_caller_loses_progress_past_the_held_events_never_requests() -> None:
+    async def scenario() -> list[bytes]:
+        progress = mcp.Progress()
+
+        async def attempt() -> mcp.Attempt:
+            return OutcomeUnknown("the upstream did not answer in time", status=504)
+
+        run = asyncio.get_running_loop().create_task(attempt())
+        note = b'{"jsonrpc":"2.0","method":"notifications/progress","params":{}}'
+        for _ in range(mcp.MAX_HELD_EVENTS + 10):
+            progress.event(note)
+        progress.event(b'{"jsonrpc":"2.0","id":9,"method":"elicitation/create"}')
+        await run
+        response = progress.response(run, 7, "text/event-stream", "s-1", "key")
+        assert isinstance(response, StreamingResponse)
+        return [bytes(chunk) async for chunk in response.body_iterator]  # type: ignore[arg-type]
+
+    frames = asyncio.run(scenario())
+    assert len(frames) == mcp.MAX_HELD_EVENTS + 2
+    assert b"elicitation/create" in frames[-2]
+    final = json.loads(frames[-1].removeprefix(b"event: message\ndata: "))
+    assert final["id"] == 7 and final["error"]["code"] == mcp.OUTCOME_UNKNOWN
