@@ -1057,3 +1057,38 @@ def test_a_slow_first_caller_loses_progress_past_the_held_events_never_requests(
     assert b"elicitation/create" in frames[-2]
     final = json.loads(frames[-1].removeprefix(b"event: message\ndata: "))
     assert final["id"] == 7 and final["error"]["code"] == mcp.OUTCOME_UNKNOWN
+
+
+def test_a_first_caller_that_leaves_its_stream_does_not_stop_the_call(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """The SSE answer has started (its headers reached the caller), the caller goes away:
+    the call runs on and is recorded, and the retry gets its result."""
+    if mcp_tool.json_response:
+        pytest.skip("a stream needs an SSE answer")
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 6, "hold": True}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}
+        with mcp_tool.holding():
+            headers = {**raw.headers}
+            with http.stream("POST", raw.url, json=message, headers=headers) as streamed:
+                assert streamed.status_code == 200
+                assert streamed.headers["content-type"] == "text/event-stream"
+        assert mcp_tool.finished[who].wait(10)
+        again = {**message, "id": 2}
+        answers = [raw.post(again)]
+        for _ in range(200):  # recorded a moment after the tool answered
+            if message_of(answers[-1]).get("error", {}).get("code") != mcp.IN_PROGRESS:
+                break
+            answers.append(raw.post(again))
+    assert answers[-1].headers["idempotent-replayed"] == "true"
+    assert message_of(answers[-1])["result"]["content"][0]["text"] == f"charged 6 to {who} (#1)"
+    assert mcp_tool.executions[who] == 1
