@@ -7,36 +7,50 @@ A ``protocol: mcp`` route serves one MCP endpoint. Only a JSON-RPC request with 
 
 - the key comes from the ``Idempotency-Key`` header or ``params._meta.<key_meta>``;
 - a composite key's ``args_hash`` is the SHA-256 of the RFC 8785 form of the arguments;
-- the fingerprint is the tool's name with that digest.
+- the fingerprint is the tool's name with that digest;
+- its ``MCP-Protocol-Version`` must be one of ``PROTOCOL_VERSIONS`` (absent: 2025-03-26),
+  else 400 and nothing is sent.
 
 The tool server's answer is recorded as its JSON-RPC response (from an SSE stream, the
-final response: progress is not recorded). The caller gets it with its own ``id``, as
+final response, read as it arrives within ``mcp.max_answer_bytes``: past it the call is
+recorded executed, its result not kept). The first caller gets the stream's other
+messages (progress, the server's requests) as they arrive when it takes SSE
+(``Progress``), then the result; a retry gets the result alone, with its own ``id``, as
 JSON or as a one-event SSE stream, whichever its Accept prefers (on a tie, the form the
-tool server used); a replay adds ``Idempotent-Replayed: true``. The proxy's refusals
-(in progress, key missing or reused, outcome unknown, ...) are JSON-RPC errors for the
-request's ``id``, their ``error.data`` the RFC 9457 document of the HTTP routes.
+tool server used), and ``Idempotent-Replayed: true``. The proxy's refusals (in progress,
+key missing or reused, outcome unknown, a policy's refusal, ...) are JSON-RPC errors for
+the request's ``id``, their ``error.data`` the RFC 9457 document of the HTTP routes.
 
 Everything else (``initialize``, ``tools/list``, notifications, responses, GET streams,
 session DELETE) passes through unchanged; ``guard: annotated`` learns tool annotations
-from the ``tools/list`` answers on the way back. A ``notifications/cancelled`` naming a
-guarded call still in flight is answered here (202) and not forwarded: the call completes
+from the ``tools/list`` answers on the way back. On a route that guards calls, a
+``notifications/cancelled`` is answered here (202) and not forwarded: the call completes
 and is recorded, and the retry gets its result.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from mcp import types
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from proxy.asgi import Incoming, RawHeaders, Reply
-from proxy.config import IdempotencyConfig, McpConfig, McpGuard, RouteConfig
+from proxy.config import (
+    DEFAULT_MAX_ANSWER_BYTES,
+    IdempotencyConfig,
+    McpConfig,
+    McpGuard,
+    RouteConfig,
+)
 from proxy.errors import (
     ArgsHashMismatch,
     InvalidIdempotencyKey,
@@ -46,9 +60,10 @@ from proxy.errors import (
     OutcomeUnknown,
     ProxyError,
     RequestInProgress,
+    ResponseNotStored,
 )
 from proxy.forwarding import UpstreamResponse
-from proxy.idempotency import Guard, Outcome
+from proxy.idempotency import Forward, Guard, Outcome
 from proxy.keys import KeyKind, canonical_json, parse_composite, parse_opaque
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
@@ -66,8 +81,20 @@ KEY_REUSED = -32012
 KEY_MISSING = -32013
 KEY_INVALID = -32014
 OUTCOME_UNKNOWN = -32015
+RESULT_NOT_KEPT = -32016
 REFUSED = -32019
 """Any other refusal of the proxy (store unavailable, rate limited, ...): see error.data."""
+# The MCP revisions whose tools/call the proxy guards (MCP-Protocol-Version). 2025-03-26
+# is what the transport spec has a server assume when the header is absent.
+PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
+DEFAULT_PROTOCOL_VERSION = "2025-03-26"
+# Where a 2026-07-28 request states its revision itself (it must match the header).
+VERSION_META = "io.modelcontextprotocol/protocolVersion"
+# The spec's codes (2026-07-28) for a request whose headers disagree with its body, and
+# for a revision the receiver does not serve (data: {supported, requested}); HTTP 400.
+HEADER_MISMATCH = -32020
+UNSUPPORTED_PROTOCOL_VERSION = -32022
+_SUPPORTED = frozenset(PROTOCOL_VERSIONS)
 # A GET stream (the server's own messages) is cut after this long, not the route's
 # timeout (a call's bound); the client opens it again.
 STREAM_SECONDS = 3600.0
@@ -76,6 +103,7 @@ MAX_KNOWN_TOOLS = 10_000
 # A recorded answer's form (json or sse) as the tool server sent it; never sent on.
 _FORM_HEADER = b"tool-proxy-mcp-form"
 _SESSION = b"mcp-session-id"
+_VERSION = b"mcp-protocol-version"
 _PROBLEM = MEDIA_TYPE.encode()
 
 RequestId = str | int | None
@@ -166,11 +194,11 @@ class McpView:
         self.named = frozenset(() if isinstance(self.config.guard, McpGuard) else self.config.guard)
         self.unguarded: dict[str, bool] = {}
         """Tool name → True if its annotations say read-only or idempotent (annotated)."""
-        self.in_flight: dict[tuple[str, str | int], int] = {}
-        """(session, id) of the guarded calls being run or awaited now."""
         release = self.policy.release_on_status if self.policy is not None else ()
         self._not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
+        self.answer_bound = answer_bound(self.config, guard)
+        """The most of a guarded call's answer held while it is read whole."""
 
     def guards(self, tool: str) -> bool:
         """True if ``tools/call`` of ``tool`` is guarded on this route."""
@@ -196,22 +224,33 @@ class McpView:
             )
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
+            unsupported = unsupported_version(request, call)
+            if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
+                return Handled(unsupported, Outcome.REJECTED)
             return await self._guarded(request, exchange, principal, session, call, body)
-        if isinstance(message, types.JSONRPCNotification) and self._cancels(session, message):
+        if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
-        upstream = await exchange.forward(body, once=False, policies=call is not None)
+        if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
+            return await self._unguarded(exchange, call, body)
+        upstream = await exchange.forward(body, once=False)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
-    def _cancels(self, session: str, note: types.JSONRPCNotification) -> bool:
-        """True if ``note`` cancels a guarded call in flight: it is not forwarded."""
-        if note.method != "notifications/cancelled" or not note.params:
-            return False
-        if self.guard is not None:  # it may name a guarded call running on another replica
-            return True
-        named = note.params.get("requestId")
-        return isinstance(named, str | int) and (session, named) in self.in_flight
+    @staticmethod
+    async def _unguarded(exchange: Exchange, call: ToolCall, body: bytes) -> Handled:
+        """A ``tools/call`` sent on unguarded; a policy's refusal (rate limited, resource
+        locked, ...) is the call's JSON-RPC error."""
+        try:
+            upstream = await exchange.forward(body, once=False, policies=True)
+        except ProxyError as exc:
+            return Handled(refusal(call.id, exc), Outcome.REJECTED)
+        return Handled(await exchange.relay(upstream), Outcome.PASSED)
+
+    def _cancels(self, note: types.JSONRPCNotification) -> bool:
+        """True if ``note`` is a cancellation on a route that guards calls: it is not
+        forwarded (it may name a guarded call running here or on another replica)."""
+        return self.guard is not None and note.method == "notifications/cancelled"
 
     async def _listed(self, exchange: Exchange, body: bytes) -> Response:
         """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
@@ -251,34 +290,128 @@ class McpView:
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         if op is None:  # no key, and the route does not require one
-            upstream = await exchange.forward(body, once=False, policies=True)
-            return Handled(await exchange.relay(upstream), Outcome.PASSED, None)
+            return await self._unguarded(exchange, call, body)
+
+        progress = Progress() if _wants_sse(accept, True) else None
 
         async def forward() -> UpstreamResponse:
             sent = await exchange.forward(body, once=True, policies=True)
-            return await read_answer(sent, call.id, self._not_run)
+            return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
 
-        flight = (session, call.id)
-        self.in_flight[flight] = self.in_flight.get(flight, 0) + 1
+        attempt = self._attempt(op, forward, exchange.lookup())
+        if progress is None:  # JSON only: the answer once it is had whole
+            return await _concluded(await attempt, call.id, accept, session, op.label)
+        # The call runs in a task of its own: its SSE answer may start (progress) before it
+        # ends; it goes on, and is recorded, if the caller leaves (the shutdown waits).
+        run = self.guard.tasks.spawn(attempt)
+        run.add_done_callback(progress.ended)
+        await asyncio.wait((run, progress.started), return_when=asyncio.FIRST_COMPLETED)
+        if not progress.started.done():  # a replay, a refusal, or a JSON answer
+            return await _concluded(run.result(), call.id, accept, session, op.label)
+        return Handled(
+            progress.response(run, call.id, accept, session, op.label), Outcome.EXECUTED, op.label
+        )
+
+    async def _attempt(self, op: Operation, forward: Forward, lookup: Lookup | None) -> Attempt:
+        """The state machine's answer, or its refusal as a value."""
+        assert self.guard is not None
         try:
-            response, outcome = await self.guard.run(op, forward, exchange.lookup())
-        except McpRefused as exc:  # the server refused it at the HTTP level: sent on as is
-            stored = exc.answer
-            headers = [*stored.headers, (b"content-length", str(len(stored.body)).encode())]
-            return Handled(Reply(stored.status, headers, stored.body), Outcome.RELEASED, op.label)
+            return await self.guard.run(op, forward, lookup)
         except ProxyError as exc:
-            conflict = isinstance(exc, RequestInProgress)
-            return Handled(refusal(call.id, exc), _refused(exc, conflict), op.label)
-        finally:
-            self._landed(flight)
-        replayed = outcome is Outcome.REPLAYED
-        rendered = await render(response, call.id, accept, session, replayed=replayed)
-        return Handled(rendered, outcome, op.label)
+            return exc
 
-    def _landed(self, flight: tuple[str, str | int]) -> None:
-        left = self.in_flight.pop(flight, 1) - 1
-        if left:
-            self.in_flight[flight] = left
+
+Attempt = tuple[Response, Outcome] | ProxyError
+"""What the state machine made of a guarded call: its answer, or its refusal."""
+
+
+async def _concluded(
+    attempt: Attempt, id: str | int, accept: str, session: str, label: str
+) -> Handled:
+    """A guarded call's answer to its caller, in MCP form."""
+    if isinstance(attempt, McpRefused):  # the server refused it at the HTTP level: as is
+        stored = attempt.answer
+        headers = [*stored.headers, (b"content-length", str(len(stored.body)).encode())]
+        return Handled(Reply(stored.status, headers, stored.body), Outcome.RELEASED, label)
+    if isinstance(attempt, ProxyError):
+        conflict = isinstance(attempt, RequestInProgress)
+        return Handled(refusal(id, attempt), _refused(attempt, conflict), label)
+    response, outcome = attempt
+    replayed = outcome is Outcome.REPLAYED
+    rendered = await render(response, id, accept, session, replayed=replayed)
+    return Handled(rendered, outcome, label)
+
+
+# Messages of the server held for a slow first caller, at most; past it, progress
+# notifications are dropped (the server's requests, e.g. elicitation, never are).
+MAX_HELD_EVENTS = 256
+
+
+class Progress:
+    """The first caller's view of a guarded call answered over SSE: the server's messages
+    before the result (progress, its requests) are passed on as they arrive, then the
+    result as the state machine recorded it. The reading of the answer never waits for
+    the caller: what a slow caller has not taken yet is held (``MAX_HELD_EVENTS``)."""
+
+    def __init__(self) -> None:
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Done when the server's answer turned out to be an SSE stream."""
+        self._held: deque[bytes] = deque()
+        self._wake = asyncio.Event()
+        self._gone = False
+
+    def start(self) -> None:
+        if not self.started.done():
+            self.started.set_result(None)
+
+    def event(self, data: bytes) -> None:
+        """A message of the server on the call's stream that is not its result."""
+        if self._gone:
+            return
+        if len(self._held) >= MAX_HELD_EVENTS and b'"notifications/progress"' in data:
+            return
+        self._held.append(data)
+        self._wake.set()
+
+    def ended(self, run: asyncio.Task[Attempt]) -> None:
+        self._wake.set()
+
+    def response(
+        self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
+    ) -> Response:
+        """The SSE stream to the first caller."""
+        response = StreamingResponse(self._frames(run, id, accept, session, label), 200)
+        extra: RawHeaders = [(_SESSION, session.encode())] if session else []
+        response.raw_headers = [
+            (b"content-type", SSE.encode()),
+            (b"cache-control", b"no-cache"),
+            *extra,
+        ]
+        return response
+
+    async def _frames(
+        self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                while self._held:
+                    yield _event(self._held.popleft())
+                if run.done():
+                    break
+                self._wake.clear()
+                await self._wake.wait()
+        finally:  # also when the caller goes away: the call goes on without it
+            self._gone = True
+            self._held.clear()
+        handled = await _concluded(run.result(), id, accept, session, label)
+        final = await _body(handled.response)
+        if _content_type(handled.response.raw_headers) != SSE:
+            final = _event(final)
+        yield final
+
+
+def _event(data: bytes) -> bytes:
+    return b"event: message\ndata: " + data + b"\n\n"
 
 
 def _is_request(message: object, method: str) -> bool:
@@ -419,30 +552,93 @@ def _header(request: Incoming, name: bytes) -> str:
     return ""
 
 
+def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
+    """The 400 answer to a guarded call of a revision the proxy does not guard calls of;
+    None for a supported one. The revision is the ``MCP-Protocol-Version`` header's and,
+    from 2026-07-28, the request's own (``params._meta``, which must agree); neither:
+    the transport spec's assumption, 2025-03-26 (whose ``tools/call`` is the same)."""
+    versions = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _VERSION}
+    declared = call.meta.get(VERSION_META)
+    if declared is not None and versions and versions != {declared}:
+        return error_reply(
+            call.id,
+            HEADER_MISMATCH,
+            "Bad Request: the MCP-Protocol-Version header does not match the request's "
+            f"params._meta[{VERSION_META!r}]; the call was not sent",
+            status=400,
+        )
+    if declared is not None:
+        versions = {declared if isinstance(declared, str) else json.dumps(declared)}
+    if len(versions or {DEFAULT_PROTOCOL_VERSION}) == 1 and versions <= _SUPPORTED:
+        return None
+    version = ", ".join(sorted(versions))  # two different ones: neither is the session's
+    shown = version if len(version) <= 40 and version.isprintable() else version[:40] + "..."
+    data = {"supported": list(PROTOCOL_VERSIONS), "requested": shown}
+    return error_reply(
+        call.id,
+        UNSUPPORTED_PROTOCOL_VERSION,
+        f"Unsupported protocol version {shown!r}: tool-proxy guards tools/call of the "
+        f"revisions {', '.join(PROTOCOL_VERSIONS)}; the call was not sent",
+        status=400,
+        data=data,
+    )
+
+
 # -- reading answers ------------------------------------------------------------------
 
 
+def answer_bound(config: McpConfig, guard: Guard | None) -> int:
+    """The most of a guarded call's answer held while it is read: ``mcp.max_answer_bytes``;
+    without offload, also no more than the route can record (``max_stored_bytes``, the
+    store's own limit), since a larger answer could not be kept anyway."""
+    bound = config.max_answer_bytes
+    if guard is None or guard.offload is not None:
+        return bound
+    bound = min(bound, guard.store.max_payload_bytes)
+    stored = guard.policy.max_stored_bytes
+    return bound if stored is None else min(bound, stored)
+
+
+class AnswerTooLarge(Exception):
+    """A guarded call's answer passed the bound while it was read (the part read is
+    dropped, the connection closed)."""
+
+
 async def read_answer(
-    upstream: UpstreamResponse, id: str | int, not_run: frozenset[int] = frozenset()
+    upstream: UpstreamResponse,
+    id: str | int,
+    not_run: frozenset[int] = frozenset(),
+    bound: int = DEFAULT_MAX_ANSWER_BYTES,
+    progress: Progress | None = None,
 ) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
     response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
     tool was not called (``not_run``: the transport's refusals, and the route's
     ``release_on_status``); ``OutcomeUnknown`` (recorded FAILED) for any other status that
-    is not 200, or a 200 answer that holds no response to ``id``."""
-    raw = await upstream.read()
-    form = _content_type(upstream.headers)
-    if upstream.status != 200 and upstream.status not in not_run:
-        raise OutcomeUnknown(
-            f"the MCP server answered HTTP {upstream.status} to this call; the tool may have run",
-            status=502,
-        )
+    is not 200, or a 200 answer that holds no response to ``id``. An answer that holds
+    more than ``bound`` bytes at once is not kept: the answer returned says so when it is
+    read (``NotKept``), and the call is recorded as executed, its result not kept.
+    ``progress`` is given the other messages of an SSE answer as they arrive."""
     if upstream.status != 200:
-        raise McpRefused(
-            f"the MCP server answered HTTP {upstream.status}: the tool was not called",
-            StoredResponse.of(upstream.status, upstream.headers, raw),
+        await _not_answered(upstream, not_run, bound)
+    sse = _content_type(upstream.headers) == SSE
+    raw: bytes | None
+    try:
+        if sse and progress is not None:
+            progress.start()
+        raw = await (
+            _final_event(upstream, id, bound, progress) if sse else _read_bounded(upstream, bound)
         )
-    answer = _final_response(raw, form, id)
+    except AnswerTooLarge:
+        return NotKept(
+            200,
+            [(b"content-type", JSON.encode())],
+            0,
+            upstream._response,
+            f"the MCP server's answer passed {bound} bytes, the most this route keeps of it "
+            "(mcp.max_answer_bytes, or what the store takes without offload)",
+        )
+    answer = None if raw is None else _final_response(raw, JSON, id)
     if answer is None:
         raise OutcomeUnknown(
             "the MCP server's answer ended without the result of this call; the tool may have run",
@@ -450,9 +646,129 @@ async def read_answer(
         )
     body = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
     headers: RawHeaders = [(b"content-type", JSON.encode())]
-    if form == SSE:
+    if _input_required(answer):  # not the call's outcome: the client sends it again
+        raise McpRefused(
+            "the MCP server needs input before the call can complete (2026-07-28 "
+            "InputRequiredResult): the key is free for the call that brings it",
+            StoredResponse.of(200, headers, body),
+        )
+    if sse:
         headers.append((_FORM_HEADER, b"sse"))
     return ReadAnswer(upstream.status, headers, len(body), upstream._response, body)
+
+
+def _input_required(answer: types.JSONRPCResponse | types.JSONRPCError) -> bool:
+    """True for a 2026-07-28 ``InputRequiredResult``: the server asks the client for input
+    (elicitation, sampling) and to send the call again with it (``inputResponses``,
+    ``requestState``); the call has not completed."""
+    return isinstance(answer, types.JSONRPCResponse) and (
+        answer.result.get("resultType") == "input_required"
+    )
+
+
+async def _not_answered(
+    upstream: UpstreamResponse, not_run: frozenset[int], bound: int
+) -> NoReturn:
+    """An answer that is not 200: the server refused the call (``not_run``), or may have
+    run it."""
+    try:
+        raw = await _read_bounded(upstream, bound)
+    except AnswerTooLarge:
+        raw = b""
+    if upstream.status not in not_run:
+        raise OutcomeUnknown(
+            f"the MCP server answered HTTP {upstream.status} to this call; the tool may have run",
+            status=502,
+        )
+    raise McpRefused(
+        f"the MCP server answered HTTP {upstream.status}: the tool was not called",
+        StoredResponse.of(upstream.status, upstream.headers, raw),
+    )
+
+
+@dataclass(slots=True)
+class NotKept(UpstreamResponse):
+    """An answer too large to keep: the guard reads it "whole" (length 0), and the read
+    raises ``ResponseNotStored``, so the call is recorded as executed, result not kept."""
+
+    detail: str = ""
+
+    async def read(self) -> bytes:
+        raise ResponseNotStored(self.detail)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        raise ResponseNotStored(self.detail)
+        yield b""  # pragma: no cover
+
+
+@contextlib.asynccontextmanager
+async def _chunks(upstream: UpstreamResponse) -> AsyncIterator[AsyncIterator[bytes]]:
+    """The body's chunks, closed on leaving (the connection too, if not read to its end)."""
+    chunks = upstream.stream()
+    try:
+        yield chunks
+    finally:
+        if isinstance(chunks, AsyncGenerator):
+            await chunks.aclose()
+
+
+async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
+    """The whole body; ``AnswerTooLarge`` as soon as it passes ``bound`` (nothing more is
+    read: the connection is closed)."""
+    if upstream.length is not None and upstream.length > bound:
+        async with _chunks(upstream) as body:
+            async for _ in body:  # started, so that closing it frees the connection and
+                break  # tells the policies (locks, slots) the answer ended unread
+        raise AnswerTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async with _chunks(upstream) as body:
+        async for chunk in body:
+            size += len(chunk)
+            if size > bound:
+                raise AnswerTooLarge()
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _final_event(
+    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Progress | None = None
+) -> bytes | None:
+    """The data of the SSE stream's last event that holds the response to ``id``, read as
+    the stream arrives: other events (progress, the server's requests) are dropped once
+    parsed. ``AnswerTooLarge`` when the kept event and the part not parsed yet pass
+    ``bound``."""
+    pending = bytearray()  # never holds a whole event: each is parsed once it is complete
+    found: bytes | None = None
+    carry = b""  # a CR at a chunk's end, perhaps the first half of a CRLF
+    async with _chunks(upstream) as body:
+        async for chunk in body:
+            chunk = carry + chunk
+            carry = b"\r" if chunk.endswith(b"\r") else b""
+            chunk = (chunk[:-1] if carry else chunk).replace(b"\r\n", b"\n")
+            start = max(len(pending) - 1, 0)
+            pending += chunk
+            end = pending.rfind(b"\n\n", start)
+            if end >= 0:
+                for data in sse_data(bytes(pending[: end + 2])):
+                    if _answers(data, id):
+                        found = data
+                    elif progress is not None:
+                        progress.event(data)
+                del pending[: end + 2]
+            if len(pending) + (len(found) if found is not None else 0) > bound:
+                raise AnswerTooLarge()
+    for data in sse_data(bytes(pending) + carry):  # a last event without its blank line
+        if _answers(data, id):
+            found = data
+    return found
+
+
+def _answers(data: bytes, id: RequestId) -> bool:
+    """True if an SSE event's data is a JSON-RPC response (or error) to ``id``."""
+    if b'"result"' not in data and b'"error"' not in data:  # progress: not parsed whole
+        return False
+    return _final_response(data, JSON, id) is not None
 
 
 def _content_type(headers: RawHeaders) -> str:
@@ -570,6 +886,7 @@ _CODES = {
     MissingIdempotencyKey.slug: KEY_MISSING,
     InvalidIdempotencyKey.slug: KEY_INVALID,
     OutcomeUnknown.slug: OUTCOME_UNKNOWN,
+    ResponseNotStored.slug: RESULT_NOT_KEPT,
 }
 
 
@@ -592,6 +909,12 @@ def _problem_message(problem: dict[str, Any], retry_after: str | None = None) ->
             f"The tool call may or may not have run: its result was lost ({detail}). It will "
             "not be run again under this key. Check whether its effect happened before "
             "acting on it; to run it anyway, call it again under a new key."
+        )
+    if code == RESULT_NOT_KEPT:
+        return (
+            "The tool call was executed once, but its result was not kept, so it cannot be "
+            "sent. It will not be run again under this key: check its effect before acting "
+            f"on it, or run it again under a new key. ({detail})"
         )
     if code == ARGS_HASH_MISMATCH:
         return f"The idempotency key does not match these arguments: {detail}."
@@ -626,8 +949,8 @@ def _error_response(id: str | int, code: int, message: str, data: Any) -> Reply:
     return _framed(error.model_dump_json(by_alias=True, exclude_none=True).encode(), False, [])
 
 
-def error_reply(id: RequestId, code: int, message: str, *, status: int) -> Reply:
+def error_reply(id: RequestId, code: int, message: str, *, status: int, data: Any = None) -> Reply:
     """A JSON-RPC error for a body that is not what the proxy can guard."""
-    error = types.ErrorData(code=code, message=message).model_dump(exclude_none=True)
+    error = types.ErrorData(code=code, message=message, data=data).model_dump(exclude_none=True)
     payload = json.dumps({"jsonrpc": "2.0", "id": id, "error": error}).encode()
     return _framed(payload, False, [], status)

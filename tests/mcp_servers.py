@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import threading
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import anyio.to_thread
 import httpx
 from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
@@ -18,6 +20,7 @@ from mcp.server.fastmcp.exceptions import ToolError
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.types import ToolAnnotations
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
@@ -27,18 +30,32 @@ from tests.servers import ThreadServer
 
 class McpTool:
     """A FastMCP server on a thread: ``charge`` counts per account, ``balance`` is
-    read-only, ``refund`` fails with an ``isError`` result (and counts too)."""
+    read-only, ``refund`` fails with an ``isError`` result (and counts too); ``transfer``
+    sees overlaps and fencing tokens, ``report`` answers large, ``chatty`` sends much
+    progress, ``whoami`` shows the Authorization it got."""
 
     def __init__(self, *, json_response: bool) -> None:
         self.executions: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()
+        self.overlap: Counter[str] = Counter()
+        """The most transfers of one account that ran at once."""
+        self.fencing: list[str] = []
+        """The Fencing-Token of each transfer, in the order they finished."""
+        self.gate = threading.Event()
+        """Calls with ``hold`` wait until it is set (it is, but while a test holds them)."""
+        self.gate.set()
+        self.finished: defaultdict[str, threading.Event] = defaultdict(threading.Event)
+        """Set once ``charge`` of an account has counted."""
         self.json_response = json_response
         server = FastMCP("billing", json_response=json_response, log_level="WARNING")
 
         @server.tool()
-        async def charge(account: str, cents: int, delay: float = 0.0) -> str:
-            """Charge an account (a side effect)."""
-            await asyncio.sleep(delay)
+        async def charge(account: str, cents: int, hold: bool = False) -> str:
+            """Charge an account (a side effect); ``hold``: not before ``gate`` opens."""
+            if hold:
+                await anyio.to_thread.run_sync(self.gate.wait, 30)
             self.executions[account] += 1
+            self.finished[account].set()
             return f"charged {cents} to {account} (#{self.executions[account]})"
 
         @server.tool()
@@ -61,7 +78,59 @@ class McpTool:
             self.executions[f"refund:{account}"] += 1
             raise ToolError(f"refund #{self.executions[f'refund:{account}']} refused")
 
+        @server.tool()
+        async def transfer(account: str, cents: int, ctx: Context, delay: float = 0.0) -> str:  # type: ignore[type-arg]
+            """Counts how many transfers of one account overlap, and the fencing tokens."""
+            self.running[account] += 1
+            self.overlap[account] = max(self.overlap[account], self.running[account])
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self.running[account] -= 1
+            self.fencing.append(_header(ctx, "fencing-token"))
+            self.executions[f"transfer:{account}"] += 1
+            return f"moved {cents} from {account}"
+
+        @server.tool()
+        def report(account: str, size: int) -> str:
+            """A result of ``size`` characters (a side effect, counted)."""
+            self.executions[f"report:{account}"] += 1
+            return "r" * size
+
+        @server.tool()
+        async def chatty(account: str, notes: int, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Many long progress notifications (SSE answers), then a short result."""
+            for done in range(notes):
+                await ctx.report_progress(done, notes, "n" * 1000)
+            self.executions[f"chatty:{account}"] += 1
+            return f"told {account}"
+
+        @server.tool()
+        async def close(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """Asks the client to confirm (elicitation, on the call's SSE stream), then acts."""
+            answer = await ctx.elicit(f"Close {account}?", Confirmation)
+            if answer.action != "accept" or not answer.data.sure:
+                return f"kept {account}"
+            self.executions[f"close:{account}"] += 1
+            return f"closed {account}"
+
+        @server.tool()
+        def whoami(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """The Authorization header this call reached the server with (counted)."""
+            self.executions[f"whoami:{account}"] += 1
+            return _header(ctx, "authorization")
+
+        self.tools = [tool.name for tool in server._tool_manager.list_tools()]
         self.server = ThreadServer(server.streamable_http_app())
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Calls with ``hold: true`` wait while in this block."""
+        self.gate.clear()
+        try:
+            yield
+        finally:
+            self.gate.set()
 
     def start(self) -> McpTool:
         self.server.start()
@@ -75,13 +144,28 @@ class McpTool:
         self.server.stop()
 
 
+class Confirmation(BaseModel):
+    """What ``close`` asks the client for."""
+
+    sure: bool
+
+
+def _header(ctx: Context, name: str) -> str:  # type: ignore[type-arg]
+    """A header of the HTTP request that carried the current call."""
+    request = ctx.request_context.request
+    return str(request.headers.get(name, "")) if request is not None else ""
+
+
 @asynccontextmanager
-async def session(url: str, headers: dict[str, str] | None = None) -> AsyncIterator[ClientSession]:
-    """An initialized SDK client session on ``url`` (the MCP endpoint)."""
+async def session(
+    url: str, headers: dict[str, str] | None = None, **callbacks: Any
+) -> AsyncIterator[ClientSession]:
+    """An initialized SDK client session on ``url`` (the MCP endpoint); ``callbacks``
+    go to ``ClientSession`` (e.g. ``elicitation_callback``)."""
     async with (
         httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(30, read=300)) as http,
         streamable_http_client(url, http_client=http) as (read, write, _),
-        ClientSession(read, write) as client,
+        ClientSession(read, write, **callbacks) as client,
     ):
         await client.initialize()
         yield client
