@@ -2,7 +2,7 @@
 
 A tool (uvicorn, answers after ``?delay=`` seconds), redis-server (or ``--store`` another
 URL) and tool-proxy (one ``async`` route, 32 workers) run each in a process of their
-own; this process is the client (httpx, asyncio):
+own; this process is the client (aiohttp, and httpx for the SSE readers):
 
 - **time-to-202**: 32 callers, each posting long calls (``Prefer: respond-async``, a new
   key each) one after another for ``--seconds``; p50 and p99 of the time to the 202.
@@ -32,14 +32,13 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
 import rfc8785
+from processes import free_port, spawn, wait_up
 
-ROOT = Path(__file__).resolve().parent.parent
 CALLERS = 32
 BODY = json.dumps({"task": "review", "pr": 12}).encode()
 ARGS_HASH = hashlib.sha256(rfc8785.dumps(json.loads(BODY))).hexdigest()
@@ -97,26 +96,7 @@ def serve_proxy(port: int, upstream: str, store: str) -> None:
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=0.5)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not start")
+    return spawn(__file__, *args)
 
 
 def _key() -> str:
@@ -219,12 +199,12 @@ def _redis_commands(port: int | None) -> int:
 
 
 def measure(options: argparse.Namespace) -> dict[str, Any]:
-    tool_port, proxy_port = _free_port(), _free_port()
+    tool_port, proxy_port = free_port(), free_port()
     redis_process = None
     redis_port = None
     store = options.store
     if store == "redis":
-        redis_port = _free_port()
+        redis_port = free_port()
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("redis-server is not installed (scripts/install installs it)")
@@ -236,9 +216,9 @@ def measure(options: argparse.Namespace) -> dict[str, Any]:
     tool = _spawn("serve-tool", str(tool_port))
     proxy = _spawn("serve-proxy", str(proxy_port), f"http://127.0.0.1:{tool_port}", store)
     try:
-        _wait(f"http://127.0.0.1:{tool_port}/")
+        wait_up(f"http://127.0.0.1:{tool_port}/")
         base = f"http://127.0.0.1:{proxy_port}"
-        _wait(f"{base}/_proxy/healthz")
+        wait_up(f"{base}/_proxy/healthz")
         asyncio.run(_callers(base, 1, long=False))  # warm-up
         baseline = asyncio.run(_callers(base, options.seconds, long=False))
         accepted = asyncio.run(_callers(base, options.seconds, long=True))

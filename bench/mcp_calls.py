@@ -25,12 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
+from processes import free_port, spawn, wait_up
 
-ROOT = Path(__file__).resolve().parent.parent
 HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 ARGUMENTS = {"account": "bench", "cents": 1}
 
@@ -71,26 +70,7 @@ def serve_proxy(port: int, upstream: str) -> None:
 
 
 def _spawn(*args: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, __file__, *args], cwd=ROOT)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(url: str) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=0.5)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not start")
+    return spawn(__file__, *args)
 
 
 def _call(http: httpx.Client, url: str, n: int, key: str | None) -> float:
@@ -114,12 +94,12 @@ def _round(http: httpx.Client, url: str, calls: int, keys: Any) -> tuple[float, 
 
 
 def measure(calls: int, rounds: int) -> dict[str, tuple[float, float, float]]:
-    tool_port, proxy_port = _free_port(), _free_port()
+    tool_port, proxy_port = free_port(), free_port()
     tool = _spawn("serve-tool", str(tool_port))
     proxy = _spawn("serve-proxy", str(proxy_port), f"http://127.0.0.1:{tool_port}")
     try:
-        _wait(f"http://127.0.0.1:{tool_port}/")
-        _wait(f"http://127.0.0.1:{proxy_port}/_proxy/healthz")
+        wait_up(f"http://127.0.0.1:{tool_port}/")
+        wait_up(f"http://127.0.0.1:{proxy_port}/_proxy/healthz")
         direct = f"http://127.0.0.1:{tool_port}/mcp"
         proxied = f"http://127.0.0.1:{proxy_port}/mcp"
         plans = {
