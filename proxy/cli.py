@@ -1,4 +1,4 @@
-"""``tool-proxy``: serve, check-config, key, demo, records."""
+"""``tool-proxy``: serve, check-config, key, demo, records, operations."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ from proxy import records
 from proxy.auth.sealing import load_key
 from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
-from proxy.errors import ConfigError, InvalidField, ProxyError
+from proxy.errors import (
+    ConfigError,
+    InvalidField,
+    OperationConflict,
+    OperationNotFound,
+    ProxyError,
+)
 from proxy.keys import Canonicalization, composite_key, is_key_part
 from proxy.metrics import ENV_MULTIPROC_DIR
 from proxy.outcome import StoredResponse
@@ -258,6 +264,80 @@ def _add_records(sub: Any) -> None:
     parser.set_defaults(func=cmd_records)
 
 
+async def _operations(args: argparse.Namespace, config: Config) -> Any:
+    """Run one operations command against the configured store; its JSON result."""
+    from proxy.jobs import listing, requeue
+    from proxy.operations import STATES, parse_limit
+    from proxy.store import JobState, make_queue
+
+    state = None
+    if args.action == "list" and args.state is not None:
+        state = STATES.get(args.state)
+        if state is None:
+            raise InvalidField("--state", f"one of {', '.join(STATES)}")
+    limit = parse_limit(getattr(args, "limit", None), "--limit")
+    store = make_store(config.store.url)
+    await store.open()
+    try:
+        queue = make_queue(store)
+        if args.action == "list":
+            cursor, page = await queue.list(state, args.cursor, limit)
+            found = list(page)
+            while args.all and cursor:
+                cursor, page = await queue.list(state, cursor, limit)
+                found += page
+            return {"operations": [listing(j) for j in found], "next_cursor": cursor or None}
+        job = await queue.get(args.id)
+        routes = {r.name: r for r in config.routes if r.runs_jobs()}
+        if job is None or job.route not in routes:
+            raise OperationNotFound(f"no operation {args.id} (it may have expired)")
+        if job.state is not JobState.DEAD:
+            raise OperationConflict(f"the operation is {job.state.value}: only a dead one")
+        requeued = await requeue(job, routes[job.route], store, queue)
+        if requeued is None:
+            raise OperationConflict(
+                "its Idempotency-Key was used again since it died: not queued again"
+            )
+        _audit_log().warning(
+            "job_requeued", route=job.route, job=job.id, admin=_operator(), reason=args.reason
+        )
+        return listing(requeued)
+    finally:
+        await store.close()
+
+
+def cmd_operations(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if not any(r.runs_jobs() for r in config.routes):
+        return _fail(["no route of this configuration has async: there are no operations"])
+    try:
+        result = asyncio.run(_operations(args, config))
+    except InvalidField as exc:
+        return _fail([exc.detail])
+    except ProxyError as exc:
+        print(f"error: {exc.detail}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _add_operations(sub: Any) -> None:
+    """``tool-proxy operations list|requeue``: the admin operations API, on the store."""
+    parser = sub.add_parser("operations", help="list long calls' operations, requeue dead ones")
+    actions = parser.add_subparsers(dest="action", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", help="YAML file (default: $TOOL_PROXY_CONFIG)")
+    listing = actions.add_parser("list", parents=[common], help="list operations (JSON)")
+    listing.add_argument("--state", help="only operations in this state (e.g. dead)")
+    listing.add_argument("--limit", help="operations per page (default 100)")
+    listing.add_argument("--cursor", default="", help="next_cursor of the previous page")
+    listing.add_argument("--all", action="store_true", help="follow the cursors to the end")
+    again = actions.add_parser("requeue", parents=[common], help="queue a dead operation again")
+    again.add_argument("id", help="the operation's id (from list)")
+    again.add_argument("--reason", required=True, help="why (the audit log keeps it)")
+    parser.set_defaults(func=cmd_operations)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tool-proxy", description="An idempotent reverse proxy for agent tool calls."
@@ -296,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--once", action="store_true", help="exit after the walkthrough")
     demo.set_defaults(func=cmd_demo)
     _add_records(sub)
+    _add_operations(sub)
     return parser
 
 

@@ -375,8 +375,7 @@ class Guard:
         return claim.record
 
     def job_record_ttl(self, queued_ttl: float) -> float:
-        """A job's record lives result_ttl past the longest its lease can last."""
-        return self.policy.result_ttl + max(queued_ttl, self.policy.lock_ttl)
+        return job_record_ttl(self.policy, queued_ttl)
 
     def job_lease(self, op: Operation, owner: str, renewed_at: float) -> Lease:
         """A lease for a job's attempt, its record renewed at ``renewed_at`` (loop clock):
@@ -849,6 +848,11 @@ class Guard:
 
     def _event(self, lease: Lease, event: str) -> None:
         self.metrics.outcome_event(self.route.name, event)
+
+
+def job_record_ttl(policy: IdempotencyConfig, queued_ttl: float) -> float:
+    """A job's record lives result_ttl past the longest its lease can last."""
+    return policy.result_ttl + max(queued_ttl, policy.lock_ttl)
 
 
 def _bytes(body: bytes | Spool) -> bytes:

@@ -49,7 +49,7 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from proxy.idempotency import OWNERS, Guard, Lease, Outcome
+from proxy.idempotency import OWNERS, Guard, Lease, Outcome, job_record_ttl
 from proxy.job_events import Hub
 from proxy.offload import ObjectRef, Offload
 from proxy.operation import Operation
@@ -355,25 +355,10 @@ class RouteJobs:
         return cancelled
 
     async def requeue(self, job: Job) -> Job | None:
-        """Queue a DEAD job again, its attempts afresh, if its key was not used since
-        (it claims the key again); None otherwise."""
-        request = decode_request(job.request)
-        claim = await self.store.claim(
-            RecordKey(job.slot, job.name),
-            request.fingerprint,
-            JOB_OWNER + job.id,
-            self.config.max_queued,
-            self.guard.job_record_ttl(self.config.max_queued),
-        )
-        if not claim.claimed:
-            return None
-        requeued = await self.queue.move(
-            job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b""
-        )
-        if requeued is None:
-            await self.store.release(RecordKey(job.slot, job.name), JOB_OWNER + job.id)
-            return None
-        self._wake.set()
+        """Queue a DEAD job again (``requeue``); None if it cannot be."""
+        requeued = await requeue(job, self.route, self.store, self.queue)
+        if requeued is not None:
+            self._wake.set()
         return requeued
 
     # -- workers -----------------------------------------------------------------------
@@ -644,6 +629,28 @@ class RouteJobs:
             job.id, QUEUED, JobState.FAILED, worker=worker, error=_problem(expired)
         )
         self.hub.poke(job.id)
+
+
+async def requeue(job: Job, route: RouteConfig, store: Store, queue: Queue) -> Job | None:
+    """Queue a DEAD job again, its attempts afresh, if its key was not used since it died
+    (it claims the key again); None otherwise: a new call may have run it."""
+    assert route.async_ is not None and route.idempotency is not None
+    key, owner = RecordKey(job.slot, job.name), JOB_OWNER + job.id
+    fingerprint = decode_request(job.request).fingerprint
+    queued = route.async_.max_queued
+    ttl = job_record_ttl(route.idempotency, queued)
+    claim = await store.claim(key, fingerprint, owner, queued, ttl)
+    if not claim.claimed:
+        return None
+    requeued = await queue.move(job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b"")
+    if requeued is None:
+        await store.release(key, owner)
+    return requeued
+
+
+def listing(job: Job) -> dict[str, Any]:
+    """A job as operators list it: its status document, route and key."""
+    return {**document(job), "route": job.route, "key": job.label}
 
 
 def _recorded(record: Record | None, owner: str) -> bool:

@@ -36,7 +36,7 @@ from proxy.errors import (
     StoredResponseUnavailable,
 )
 from proxy.job_events import Hub
-from proxy.jobs import OPERATIONS_PATH, RouteJobs, document, location
+from proxy.jobs import OPERATIONS_PATH, RouteJobs, document, listing, location
 from proxy.store import Job, JobState, Queue
 
 # Seconds between the comment lines that keep an idle event stream open through proxies
@@ -147,11 +147,11 @@ class Operations:
             state = STATES.get(query["state"])
             if state is None:
                 raise InvalidField("state", f"one of {', '.join(STATES)}")
-        limit = _limit(query.get("limit"))
+        limit = parse_limit(query.get("limit"))
         cursor, page = await self.queue.list(state, query.get("cursor", ""), limit)
         return JSONResponse(
             {
-                "operations": [{**document(j), "route": j.route, "key": j.label} for j in page],
+                "operations": [listing(j) for j in page],
                 "next_cursor": cursor or None,
             }
         )
@@ -179,11 +179,12 @@ def _last_event_id(request: Request) -> int:
     return int(value)
 
 
-def _limit(value: str | None) -> int:
+def parse_limit(value: str | None, field: str = "limit") -> int:
+    """A page size from 1 to MAX_LIST (100 when not given); 400 naming ``field``."""
     if value is None:
         return 100
     if not value.isdigit() or not 1 <= int(value) <= MAX_LIST:
-        raise InvalidField("limit", f"an integer from 1 to {MAX_LIST}")
+        raise InvalidField(field, f"an integer from 1 to {MAX_LIST}")
     return int(value)
 
 

@@ -16,11 +16,13 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy.cli import main as cli_main
 from proxy.config import parse_config
 from proxy.errors import ConfigError, OffloadUnavailable, StoreUnavailable
 from proxy.job_events import Hub
@@ -584,3 +586,43 @@ def test_the_async_preferences_are_not_forwarded_to_the_tool(
     location = post(proxy.url, key=key, query="?delay=1.5", **prefer).headers["location"]
     until(proxy.url, location, "completed")
     assert tool.requests[-1]["headers"]["prefer"] == "return=minimal"
+
+
+# -- tool-proxy operations ----------------------------------------------------------------
+
+
+def test_the_cli_lists_dead_operations_and_requeues_them(
+    make_proxy: ProxyFactory, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tool = FlakyTool(-1)
+    with running(ThreadServer(tool.app)) as server:
+        store = f"sqlite://{tmp_path}/state.db"
+        spec = long_route(server.url, async_={"attempts": 1})
+        proxy = make_proxy(spec, store=store)
+        config = tmp_path / "proxy.yaml"
+        config.write_text(yaml.safe_dump({"store": {"url": store}, "routes": [spec]}))
+        key = new_key(BODY)
+        location = post(proxy.url, key=key, **ASYNC).headers["location"]
+        dead = until(proxy.url, location, "dead", "completed")
+        assert dead["state"] == "dead"
+
+        def cli(*argv: str) -> tuple[int, Any, str]:
+            capsys.readouterr()
+            code = cli_main(["operations", *argv, "--config", str(config)])
+            out, err = capsys.readouterr()
+            return code, json.loads(out) if out.strip() else None, err
+
+        code, listed, _ = cli("list", "--state", "dead")
+        assert code == 0 and [(o["id"], o["key"]) for o in listed["operations"]] == [
+            (dead["id"], key)
+        ]
+        assert cli("list", "--state", "sleeping")[0] == 2  # a usage error names the flag
+        assert "--state" in cli("list", "--state", "sleeping")[2]
+        tool.failures = 0
+        code, requeued, err = cli("requeue", dead["id"], "--reason", "the tool is fixed")
+        assert code == 0 and requeued["state"] == "queued", err
+        assert '"job_requeued"' in err and "the tool is fixed" in err  # the audit line
+        assert until(proxy.url, location, "completed")["attempts"] == 1
+        code, _, err = cli("requeue", dead["id"], "--reason", "again")
+        assert code == 1 and "only a dead one" in err
+        assert tool.calls[key] == 2
