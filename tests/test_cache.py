@@ -28,7 +28,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
 from proxy.policies import Context
-from proxy.policies.cache import Cache, decode_entry, directives, encode_entry
+from proxy.policies.cache import Cache, decode_entry, directives, encode_entry, seconds
 from proxy.store.memory import MemoryStore
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
@@ -152,6 +152,13 @@ def test_cache_control_directives_and_entries_round_trip() -> None:
     entry = encode_entry(12.5, [(b"accept-language", b"de")], stored)
     assert decode_entry(entry) == (12.5, [(b"accept-language", b"de")], stored)
     assert decode_entry(encode_entry(1.0, [], stored))[2] == stored
+
+
+def test_delta_seconds_are_ascii_digits_and_a_huge_one_is_very_large() -> None:
+    assert seconds("60") == 60 and seconds("0") == 0
+    for invalid in ("", "-1", "1.5", " 6", "\u00b2", "\u0663", "6s"):  # ² and Arabic-Indic 3
+        assert seconds(invalid) == 0, invalid
+    assert seconds("9" * 5000) == seconds("1" + "0" * 20) == 9_999_999_999
 
 
 # -- hits and misses ------------------------------------------------------------------------
@@ -290,6 +297,25 @@ def test_a_body_without_a_digest_is_passed_on_uncached(
 
 
 # -- with idempotency -----------------------------------------------------------------------
+
+
+def test_a_huge_max_age_either_way_is_served_on_a_guarded_route(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, guarded=True))
+    huge = "max-age=" + "9" * 5000  # beyond int()'s digit limit
+    asked = ask(proxy.url, headers={"idempotency-key": new_key(BODY), "cache-control": huge})
+    assert asked.status_code == 200 and asked.json()["execution"] == 1
+    assert cache_status(asked) == STORED
+    told = ask(
+        proxy.url, f"?cache_control={huge}", {"n": 2}, {"idempotency-key": new_key({"n": 2})}
+    )
+    assert told.status_code == 200 and cache_status(told) == STORED
+    again = ask(
+        proxy.url, f"?cache_control={huge}", {"n": 2}, {"idempotency-key": new_key({"n": 2})}
+    )
+    assert cache_status(again) == HIT and again.content == told.content
+    assert tool.total == 2
 
 
 def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
@@ -521,3 +547,95 @@ def test_an_answer_that_breaks_is_not_stored_and_frees_its_waiters_at_once() -> 
 
     value, free = asyncio.run(run())
     assert value == b"uncacheable" and free  # waiters call the tool themselves, now
+
+
+def test_a_failure_of_the_cache_before_the_send_forwards_the_call_once() -> None:
+    async def run() -> tuple[bytes, Context, int]:
+        cache, _ = policy(MemoryStore())
+        context = context_of()
+        calls = 0
+
+        def broken(context: Context) -> str:
+            raise RuntimeError("a bug in the key")
+
+        async def forward() -> UpstreamResponse:
+            nonlocal calls
+            calls += 1
+            return Answer()
+
+        cache.key = broken  # type: ignore[method-assign]
+        return await (await cache.wrap(context, forward)()).read(), context, calls
+
+    body, context, calls = asyncio.run(run())
+    assert body == b'{"ok":true}' and calls == 1
+    assert context.headers == [(b"cache-status", b"tool-proxy; fwd=miss; detail=error")]
+
+
+def test_an_error_of_the_send_itself_is_raised_not_sent_again() -> None:
+    async def run() -> int:
+        cache, tasks = policy(MemoryStore())
+        calls = 0
+
+        async def forward() -> UpstreamResponse:
+            nonlocal calls
+            calls += 1
+            raise OutcomeUnknown("the tool timed out")
+
+        with pytest.raises(OutcomeUnknown):
+            await cache.wrap(context_of(), forward)()
+        await tasks.drain(1)
+        return calls
+
+    assert asyncio.run(run()) == 1
+
+
+class SecondReadFails(MemoryStore):
+    """The first read of an entry answers; every later one fails (after the fill lock)."""
+
+    reads = 0
+
+    async def get_value(self, key: str) -> bytes | None:
+        self.reads += key.startswith("cache|")  # not the lock's own key
+        if self.reads > 1 and key.startswith("cache|"):
+            raise StoreUnavailable("redis store: ConnectionError")
+        return await super().get_value(key)
+
+
+def test_the_fill_lock_is_freed_when_the_read_after_it_fails() -> None:
+    async def run() -> tuple[bytes, bool]:
+        store = SecondReadFails()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        return body, await store.acquire(cache.key(context), "another", 1)
+
+    body, free = asyncio.run(run())
+    assert body == b'{"ok":true}' and free
+
+
+def test_a_failure_of_the_cache_after_the_send_keeps_the_answer_and_frees_the_lock() -> None:
+    async def run() -> tuple[bytes, bytes | None, bool, Context]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        def broken(upstream: UpstreamResponse) -> tuple[float, bytes]:
+            raise RuntimeError("a bug in freshness")
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        cache._freshness = broken  # type: ignore[method-assign]
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        key = cache.key(context)
+        return body, await store.get_value(key), await store.acquire(key, "another", 1), context
+
+    body, value, free, context = asyncio.run(run())
+    assert body == b'{"ok":true}' and value == b"uncacheable" and free
+    assert context.headers == []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -57,6 +58,10 @@ FILL_MARGIN_SECONDS = 5.0
 # How long a "not cacheable" mark lets identical misses call the tool without waiting
 # (the waiters of the call that made it go at once).
 MARK_SECONDS = 5.0
+# Delta-seconds with more digits than this count as this many 9s (RFC 9111 1.2.2: a cache
+# may take a value it cannot represent as "very large"; int() refuses 4300+ digits).
+MAX_SECONDS_DIGITS = 10
+_DIGITS = re.compile(r"[0-9]+")
 # The first pause between two reads of an entry being filled, doubled up to the longest.
 FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
@@ -85,9 +90,14 @@ def directives(field: str) -> dict[str, str]:
     return out
 
 
-def _seconds(value: str) -> int:
-    """A delta-seconds argument; an invalid one counts as 0 (RFC 9111 1.2.2: stale)."""
-    return int(value) if value.isdigit() else 0
+def seconds(value: str) -> int:
+    """A delta-seconds argument (ASCII digits only); an invalid one counts as 0 (RFC 9111
+    1.2.2: stale), one of more than MAX_SECONDS_DIGITS digits as very large."""
+    if not _DIGITS.fullmatch(value):
+        return 0
+    if len(value) > MAX_SECONDS_DIGITS:
+        return int("9" * MAX_SECONDS_DIGITS)
+    return int(value)
 
 
 def status(fwd: bytes, *params: bytes) -> bytes:
@@ -252,21 +262,46 @@ class Cache:
             return forward
 
         async def cached() -> UpstreamResponse:
-            asked = directives(_field(context.request.scope["headers"], b"cache-control"))
-            if "no-store" in asked:
-                return await self._bypass(context, forward, b"request", b"detail=no-store")
+            sent = False
+
+            async def send() -> UpstreamResponse:
+                nonlocal sent
+                sent = True
+                return await forward()
+
             try:
-                key = self.key(context)
-            except BadRequest:  # a body that has no digest: never cached, passed on
-                return await self._bypass(context, forward, b"bypass", b"detail=body")
-            max_age = None  # how old an answer the caller takes; -1: none (a fresh call)
-            if "no-cache" in asked:
-                max_age = -1
-            elif "max-age" in asked:
-                max_age = _seconds(asked["max-age"]) or -1
-            return await self._lookup(context, key, forward, max_age)
+                return await self._cached(context, send)
+            except Exception as exc:
+                if sent:  # the tool's (or the send's) own error: the Guard's to judge
+                    raise
+                return await self._failed(context, forward, exc)
 
         return cached
+
+    async def _cached(self, context: Context, forward: Forward) -> UpstreamResponse:
+        asked = directives(_field(context.request.scope["headers"], b"cache-control"))
+        if "no-store" in asked:
+            return await self._bypass(context, forward, b"request", b"detail=no-store")
+        try:
+            key = self.key(context)
+        except BadRequest:  # a body that has no digest: never cached, passed on
+            return await self._bypass(context, forward, b"bypass", b"detail=body")
+        max_age = None  # how old an answer the caller takes; -1: none (a fresh call)
+        if "no-cache" in asked:
+            max_age = -1
+        elif "max-age" in asked:
+            max_age = seconds(asked["max-age"]) or -1
+        return await self._lookup(context, key, forward, max_age)
+
+    async def _failed(self, context: Context, forward: Forward, exc: Exception) -> UpstreamResponse:
+        """The cache itself failed before the send (a bug, an entry it cannot read): it
+        fails open, so the call is forwarded as if the route had no cache. Never an error
+        of its own, which a guarded route would record as "may have been executed"."""
+        self.metrics.cache_decision(self.route, "error")
+        self.log.warning("cache_failed", route=self.route, error=repr(exc))
+        context.headers[:] = [(k, v) for k, v in context.headers if k not in (HEADER, b"age")]
+        context.headers.append((HEADER, status(b"miss", b"detail=error")))
+        return await forward()
 
     def key(self, context: Context) -> str:
         """``cache|<route>|<digest>`` of the method, path, query and the body's canonical
@@ -324,7 +359,11 @@ class Cache:
         value = await self.store.get_value(key)
         if value is not None or not await self.store.acquire(key, owner, self.fill_ttl):
             return value, False
-        value = await self.store.get_value(key)  # filled between the first read and the lock?
+        try:
+            value = await self.store.get_value(key)  # filled between the first read and the lock?
+        except BaseException:  # not this call's to fill: its waiters must not wait for it
+            self._unlock(key, owner)
+            raise
         if value is None:
             return None, True
         self._unlock(key, owner)
@@ -408,7 +447,22 @@ class Cache:
     def _keep(
         self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
     ) -> UpstreamResponse:
-        """``upstream``, stored once read if it is cacheable (then ``stored``)."""
+        """``upstream``, stored once read if it is cacheable (then ``stored``). Never
+        raises: the tool has answered, its answer goes to the caller whatever happens here."""
+        added = len(context.headers)
+        try:
+            return self._filling(context, key, upstream, fwd, owner)
+        except Exception as exc:
+            del context.headers[added:]
+            self.metrics.cache_decision(self.route, "error")
+            self.log.warning("cache_failed", route=self.route, error=repr(exc))
+            if owner:
+                self._give_up(key, owner)
+            return upstream
+
+    def _filling(
+        self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
+    ) -> UpstreamResponse:
         ttl, why = self._freshness(upstream)
         if why:
             self.metrics.cache_decision(self.route, "uncacheable")
@@ -446,7 +500,7 @@ class Cache:
         ttl = self.ttl
         for directive in ("s-maxage", "max-age"):  # a shared cache: s-maxage first
             if directive in told:
-                ttl = min(ttl, _seconds(told[directive]))
+                ttl = min(ttl, seconds(told[directive]))
                 break
         return (ttl, b"") if ttl > 0 else (0.0, b"max-age")
 
