@@ -710,13 +710,10 @@ class RouteConfig(_Strict):
             )
         if self.protocol is RouteProtocol.MCP:
             raise ValueError("cache: not on protocol: mcp routes (an answer holds its call's id)")
-        written = set(cache.methods) & set(
-            () if self.versioning is None else self.versioning.methods
-        )
-        if written:
+        if self.versioning is not None:  # the cache is outermost: Versioning never sees a hit
             raise ValueError(
-                f"cache.methods: {min(written)} is a versioned write (versioning.methods); "
-                "a cached answer would skip its precondition"
+                "cache and versioning: not on one route (a cached answer carries no ETag, "
+                "and a versioned write does not invalidate it: reads would be stale)"
             )
         return self
 

@@ -122,9 +122,10 @@ def test_cache_keys_are_checked_each_naming_its_field() -> None:
     mcp = {**cached("http://h"), "protocol": "mcp"}
     with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache: not on protocol: mcp"):
         parse_config({"routes": [mcp]}, env={})
-    versioned = {**cached("http://h"), "versioning": {"key": "path:0"}}
-    with pytest.raises(ConfigError, match=r"cache.methods: POST is a versioned write"):
-        parse_config({"routes": [versioned]}, env={})
+    for methods in (["POST"], ["GET"]):  # a versioned write, or a read a write makes stale
+        versioned = {**cached("http://h", methods=methods), "versioning": {"key": "path:0"}}
+        with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache and versioning: not on"):
+            parse_config({"routes": [versioned]}, env={})
     good = parse_config({"routes": [cached("http://h", ttl="1h", methods=["post"])]}, env={})
     cache = good.routes[0].cache
     assert cache is not None and cache.ttl == 3600 and cache.methods == ("POST",)
