@@ -479,8 +479,9 @@ def test_ten_identical_misses_across_replicas_make_one_call_and_other_callers_mi
 class Answer(UpstreamResponse):
     """A tool's answer without a connection; ``broken``: its body never arrives whole."""
 
-    def __init__(self, broken: bool = False) -> None:
-        super().__init__(200, [(b"content-type", b"application/json")], 11, None)  # type: ignore[arg-type]
+    def __init__(self, broken: bool = False, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        sent = [(b"content-type", b"application/json"), *headers]
+        super().__init__(200, sent, 11, None)  # type: ignore[arg-type]
         self.broken = broken
 
     async def read(self) -> bytes:
@@ -502,14 +503,14 @@ def policy(store: MemoryStore) -> tuple[Cache, TaskSet]:
     return Cache(ROUTE, store, Metrics(), tasks, structlog.get_logger()), tasks
 
 
-def context_of() -> Context:
+def context_of(*headers: tuple[bytes, bytes]) -> Context:
     scope = {
         "type": "http",
         "method": "POST",
         "path": "/tools/infer",
         "raw_path": b"/tools/infer",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
     }
     request = Incoming.of(scope, None)  # type: ignore[arg-type]
     return Context(ROUTE, request, json.dumps(BODY).encode())
@@ -640,3 +641,26 @@ def test_a_failure_of_the_cache_after_the_send_keeps_the_answer_and_frees_the_lo
     body, value, free, context = asyncio.run(run())
     assert body == b'{"ok":true}' and value == b"uncacheable" and free
     assert context.headers == []
+
+
+def test_the_values_of_varyd_fields_are_kept_as_digests_never_as_sent() -> None:
+    secret = b"Bearer secret-token-of-alice"
+
+    async def run() -> tuple[bytes | None, list[bytes]]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        statuses = []
+        for token in (secret, secret, b"Bearer another"):
+            context = context_of((b"authorization", token))
+
+            async def forward() -> UpstreamResponse:
+                return Answer(headers=((b"vary", b"Authorization"),))
+
+            await (await cache.wrap(context, forward)()).read()
+            await tasks.drain(1)
+            statuses.append(dict(context.headers)[b"cache-status"])
+        return await store.get_value(cache.key(context)), statuses
+
+    value, statuses = asyncio.run(run())
+    assert statuses == [STORED.encode(), HIT.encode(), b"tool-proxy; fwd=vary-miss; stored"]
+    assert value is not None and b"secret-token" not in value and b"another" not in value

@@ -9,7 +9,7 @@ comes first, and a hit is recorded as the outcome of its own key)::
     Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
     the key: method, path, query, the body's RFC 8785 digest, the principal (scope)
       └─▶ the entry (``no-cache`` or ``max-age`` on the request: too old for it)
-            ├─ fresh, same Vary ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
+            ├─ fresh, same Vary (digests) ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
             ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
             └─ none ──▶ take the key's fill lock in the store (one call across replicas)
                   ├─ taken ──▶ forward ──▶ cacheable: stored once its body is read,
@@ -69,7 +69,7 @@ MAX_POLL_SECONDS = 0.05
 HEADER = b"cache-status"
 HIT = b"tool-proxy; hit"
 _MARK = b"uncacheable"
-_VERSION = b"c1"
+_VERSION = b"c2"  # c1 kept the Vary'd values themselves: read as malformed, a miss
 # Never kept with a cached answer: it gets its own Age.
 _NOT_KEPT = frozenset({b"age"})
 
@@ -105,9 +105,15 @@ def status(fwd: bytes, *params: bytes) -> bytes:
     return b"; ".join((b"tool-proxy", b"fwd=" + fwd, *params))
 
 
+def vary_digest(headers: RawHeaders, name: bytes) -> bytes:
+    """The SHA-256 (hex) of the request's ``name`` field: what an entry keeps of a field its
+    answer varies on (``Vary: Authorization`` must not put a bearer token in the store)."""
+    return hashlib.sha256(_field(headers, name).encode("latin-1")).hexdigest().encode()
+
+
 def encode_entry(stored_at: float, vary: RawHeaders, stored: StoredResponse) -> bytes:
-    """``c1 <stored at>``, the request's Vary fields as lines, a blank line, the answer
-    (``StoredResponse.encode``)."""
+    """``c2 <stored at>``, the request's Vary fields (``name: <vary_digest>``) as lines, a
+    blank line, the answer (``StoredResponse.encode``)."""
     lines = [b"%s %.3f" % (_VERSION, stored_at), *(k + b": " + v for k, v in vary)]
     return b"\r\n".join(lines) + b"\r\n\r\n" + stored.encode()
 
@@ -399,7 +405,7 @@ class Cache:
         if max_age is not None and age > max_age:
             return b"request"
         headers = context.request.scope["headers"]
-        if any(_field(headers, name) != wanted.decode("latin-1") for name, wanted in vary):
+        if any(vary_digest(headers, name) != wanted for name, wanted in vary):
             return b"vary-miss"
         body: bytes | AsyncIterator[bytes] = stored.body
         if stored.ref is not None:
@@ -472,10 +478,8 @@ class Cache:
             return upstream
         self.metrics.cache_decision(self.route, "stored")
         context.headers.append((HEADER, status(fwd, b"stored")))
-        vary = [
-            (name, _field(context.request.scope["headers"], name).encode("latin-1"))
-            for name in _vary(upstream.headers)
-        ]
+        headers = context.request.scope["headers"]
+        vary = [(name, vary_digest(headers, name)) for name in _vary(upstream.headers)]
         return Filling(
             upstream,
             self.max_bytes,
