@@ -212,6 +212,21 @@ def test_request_no_cache_forces_a_fresh_call_and_stores_it(
     assert ask(proxy.url, headers={"cache-control": "max-age=60"}).json()["execution"] == 3
 
 
+@pytest.mark.parametrize("asked", ["no-cache", "max-age=0"])
+def test_request_no_cache_during_a_fill_calls_at_once_without_waiting_for_it(
+    make_proxy: ProxyFactory, tool: CountingTool, asked: str
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask, proxy.url, "?delay=1")
+        wait_for(lambda: tool.in_flight == 1, what="the fill at the tool")
+        fresh = ask(proxy.url, "?delay=1", headers={"cache-control": asked})
+        assert cache_status(fresh) == "tool-proxy; fwd=request; stored"
+        assert cache_status(first.result()) == STORED
+    assert tool.most_in_flight == 2 and tool.total == 2  # it did not wait for the fill
+    assert cache_status(ask(proxy.url, "?delay=1")) == HIT
+
+
 def test_request_no_store_skips_the_cache_both_ways(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

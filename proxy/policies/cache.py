@@ -7,8 +7,9 @@ and no quota; on a guarded route it runs after the claim, so a duplicate's 409 o
 comes first, and a hit is recorded as the outcome of its own key)::
 
     Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
+    no-cache or max-age=0 on the request ──▶ forward (no read, no wait); stored if it can be
     the key: method, path, query, the body's RFC 8785 digest, the principal (scope)
-      └─▶ the entry (``no-cache`` or ``max-age`` on the request: too old for it)
+      └─▶ the entry (``max-age=N`` on the request: too old for it)
             ├─ fresh, same Vary (digests) ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
             ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
             └─ none ──▶ take the key's fill lock in the store (one call across replicas)
@@ -292,11 +293,9 @@ class Cache:
             key = self.key(context)
         except BadRequest:  # a body that has no digest: never cached, passed on
             return await self._bypass(context, forward, b"bypass", b"detail=body")
-        max_age = None  # how old an answer the caller takes; -1: none (a fresh call)
-        if "no-cache" in asked:
-            max_age = -1
-        elif "max-age" in asked:
-            max_age = seconds(asked["max-age"]) or -1
+        max_age = seconds(asked["max-age"]) if "max-age" in asked else None
+        if "no-cache" in asked or max_age == 0:  # fresh: nothing to read or wait for
+            return await self._forward(context, key, forward, b"request")
         return await self._lookup(context, key, forward, max_age)
 
     async def _failed(self, context: Context, forward: Forward, exc: Exception) -> UpstreamResponse:
