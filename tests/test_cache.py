@@ -447,6 +447,23 @@ def test_scope_principal_never_serves_another_callers_answer(
     assert cache_status(as_("alice")) == HIT
     assert cache_status(as_("bob")) == STORED
     assert cache_status(as_("bob", "?cache_control=private")) == STORED  # private: per caller
+    assert cache_status(as_("bob", "?cache_control=private")) == HIT
+    assert cache_status(as_("alice", "?cache_control=private")) == STORED  # not bob's
+    assert tool.total == 4
+
+
+def test_a_private_answer_is_not_shared_by_the_anonymous_callers(
+    make_proxy: ProxyFactory, tool: CountingTool, idp: IdentityProvider
+) -> None:
+    spec = cached(tool.url, scope="principal")
+    spec["auth"] = {"required": False}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    for _ in range(2):  # no token: principal "", one cache for all of them
+        assert cache_status(ask(proxy.url, "?cache_control=private")) == (
+            "tool-proxy; fwd=miss; detail=private"
+        )
+    assert cache_status(ask(proxy.url)) == STORED  # what is not private they share
+    assert cache_status(ask(proxy.url)) == HIT
     assert tool.total == 3
 
 
@@ -641,7 +658,7 @@ def test_a_failure_of_the_cache_after_the_send_keeps_the_answer_and_frees_the_lo
         cache, tasks = policy(store)
         context = context_of()
 
-        def broken(upstream: UpstreamResponse) -> tuple[float, bytes]:
+        def broken(upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
             raise RuntimeError("a bug in freshness")
 
         async def forward() -> UpstreamResponse:

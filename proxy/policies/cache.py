@@ -468,7 +468,7 @@ class Cache:
     def _filling(
         self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
     ) -> UpstreamResponse:
-        ttl, why = self._freshness(upstream)
+        ttl, why = self._freshness(upstream, context.principal)
         if why:
             self.metrics.cache_decision(self.route, "uncacheable")
             context.headers.append((HEADER, status(fwd, b"detail=" + why)))
@@ -486,15 +486,17 @@ class Cache:
             lambda body: self._kept(key, owner, upstream, vary, ttl, body),
         )
 
-    def _freshness(self, upstream: UpstreamResponse) -> tuple[float, bytes]:
-        """How long the answer may be served, and b"" ; or (0, why it is not stored)."""
+    def _freshness(self, upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
+        """How long the answer may be served, and b"" ; or (0, why it is not stored).
+        ``private`` is stored only in a cache of one caller: never for ``scope: route``,
+        nor for the anonymous callers (principal "") that share one under ``principal``."""
         if upstream.status not in self.statuses:
             return 0.0, b"status"
         told = directives(_field(upstream.headers, b"cache-control"))
         for directive in ("no-store", "no-cache"):
             if directive in told:
                 return 0.0, directive.encode()
-        if "private" in told and not self.per_principal:
+        if "private" in told and not (self.per_principal and principal):
             return 0.0, b"private"
         if b"*" in _vary(upstream.headers):
             return 0.0, b"vary"
