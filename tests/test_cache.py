@@ -28,7 +28,15 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
 from proxy.policies import Context
-from proxy.policies.cache import Cache, decode_entry, directives, encode_entry, seconds
+from proxy.policies.cache import (
+    FILL_MARGIN_SECONDS,
+    Cache,
+    decode_entry,
+    directives,
+    encode_entry,
+    fill_seconds,
+    seconds,
+)
 from proxy.store.memory import MemoryStore
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
@@ -130,6 +138,20 @@ def test_cache_keys_are_checked_each_naming_its_field() -> None:
     cache = good.routes[0].cache
     assert cache is not None and cache.ttl == 3600 and cache.methods == ("POST",)
     assert cache.statuses == (200, 203, 204) and good.routes[0].cache_wait() == 10.0
+
+
+def test_the_default_wait_is_as_long_as_the_call_it_waits_for() -> None:
+    spec = {**cached("http://h"), "timeout": "20s"}
+    spec["token"] = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp/token",
+        "client_id": "tool-proxy",
+        "client_secret_env": "SECRET",
+        "retry_on_401": True,
+    }
+    route = parse_config({"routes": [spec]}, env={"SECRET": "s"}).routes[0]
+    assert route.cache_wait() == (20 + 10) * 2  # two token fetches and two sends
+    assert route.cache_wait() == fill_seconds(route) - FILL_MARGIN_SECONDS
 
 
 def test_check_config_names_the_cache_fields(tmp_path: Path) -> None:

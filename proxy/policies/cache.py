@@ -35,9 +35,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from proxy.asgi import RawHeaders
-from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS
 from proxy.background import TaskSet
-from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, TokenMode
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig
 from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
@@ -580,13 +579,10 @@ class Cache:
 
 
 def fill_seconds(route: RouteConfig) -> float:
-    """The fill lock's lease: the longest the one call can take (its sends, token fetches,
-    the waits of the policies inside the cache), and FILL_MARGIN_SECONDS to store it."""
-    token = route.token
-    sends = 2 if token is not None and token.retry_on_401 else 1
-    fetches = token is not None and token.mode is not TokenMode.PASSTHROUGH
-    seconds = (route.timeout + (TOKEN_TIMEOUT_SECONDS if fetches else 0.0)) * sends
-    return seconds + route.limit_wait + route.resource_wait() + FILL_MARGIN_SECONDS
+    """The fill lock's lease: the longest the one call can take (``send_seconds``: its
+    sends, token fetches, the waits of the policies inside the cache), and
+    FILL_MARGIN_SECONDS to store it. The default ``cache.wait`` is that call's bound."""
+    return route.send_seconds() + FILL_MARGIN_SECONDS
 
 
 def _vary(headers: RawHeaders) -> list[bytes]:
