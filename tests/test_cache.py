@@ -718,3 +718,24 @@ def test_the_values_of_varyd_fields_are_kept_as_digests_never_as_sent() -> None:
     value, statuses = asyncio.run(run())
     assert statuses == [STORED.encode(), HIT.encode(), b"tool-proxy; fwd=vary-miss; stored"]
     assert value is not None and b"secret-token" not in value and b"another" not in value
+
+
+def test_a_mark_never_replaces_an_answer_stored_meanwhile() -> None:
+    stored = encode_entry(time.time(), [], StoredResponse(200, [], b'{"ok":1}'))
+
+    async def run() -> bytes | None:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:  # a waiter past its wait stores its answer
+            await store.put_value(cache.key(context), stored, 60)
+            return Answer(broken=True)
+
+        upstream = await cache.wrap(context, forward)()
+        with pytest.raises(OutcomeUnknown):
+            await upstream.read()
+        await tasks.drain(1)
+        return await store.get_value(cache.key(context))
+
+    assert asyncio.run(run()) == stored

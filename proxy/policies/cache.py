@@ -563,8 +563,13 @@ class Cache:
         await self._free(key, owner)
 
     async def _mark(self, key: str) -> None:
+        """The mark, only where there is no entry: a waiter past its wait may have stored
+        its own answer meanwhile. The store has no put-if-absent for shared values, so an
+        entry stored between the read and the write is replaced (the window of one store
+        round trip): its callers then miss, and call the tool, for MARK_SECONDS."""
         try:
-            await self.store.put_value(key, _MARK, MARK_SECONDS)
+            if await self.store.get_value(key) is None:
+                await self.store.put_value(key, _MARK, MARK_SECONDS)
         except StoreUnavailable as exc:
             self.log.warning("cache_mark_failed", route=self.route, error=exc.detail)
 
