@@ -739,3 +739,32 @@ def test_a_mark_never_replaces_an_answer_stored_meanwhile() -> None:
         return await store.get_value(cache.key(context))
 
     assert asyncio.run(run()) == stored
+
+
+class WritesFail(MemoryStore):
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        if key.startswith("cache|"):  # entries and marks; the fill lock (lock|...) works
+            raise StoreUnavailable("redis store: ConnectionError")
+        await super().put_value(key, value, ttl)
+
+
+def test_an_answer_sent_stored_that_cannot_be_written_is_counted_not_kept() -> None:
+    async def run() -> tuple[bytes, Context, Metrics, bool]:
+        store = WritesFail()
+        tasks, metrics = TaskSet(), Metrics()
+        cache = Cache(ROUTE, store, metrics, tasks, structlog.get_logger())
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        return body, context, metrics, await store.acquire(cache.key(context), "another", 1)
+
+    body, context, metrics, free = asyncio.run(run())
+    assert body == b'{"ok":true}' and free
+    assert context.headers == [(b"cache-status", STORED.encode())]  # sent before the write
+    for decision in ("stored", "not_kept"):
+        labels = {"route": "tool", "decision": decision}
+        assert metrics.registry.get_sample_value("tool_proxy_cache_decisions_total", labels) == 1

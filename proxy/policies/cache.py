@@ -451,7 +451,8 @@ class Cache:
     def _keep(
         self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
     ) -> UpstreamResponse:
-        """``upstream``, stored once read if it is cacheable (then ``stored``). Never
+        """``upstream``, stored once read if it is cacheable (then ``stored``, sent before
+        the body: it may still fail to be kept, counted ``not_kept``). Never
         raises: the tool has answered, its answer goes to the caller whatever happens here."""
         added = len(context.headers)
         try:
@@ -544,6 +545,7 @@ class Cache:
             await self.store.put_value(key, encode_entry(self.clock(), vary, stored), ttl)
         except (StoreUnavailable, OffloadUnavailable, OSError) as exc:
             error = str(getattr(exc, "detail", exc))
+            self.metrics.cache_decision(self.route, "not_kept")
             self.log.warning("cache_not_stored", route=self.route, error=error)
             if owner:
                 await self._mark(key)
