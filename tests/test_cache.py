@@ -210,6 +210,19 @@ def test_a_repeated_request_is_a_hit_served_without_calling_the_tool(
     assert tool.total == 5
 
 
+def test_the_same_bytes_of_another_media_type_are_another_request(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    canonical = b'{"doc":7,"prompt":"summarise"}'  # its RFC 8785 form is its bytes
+    assert cache_status(ask(proxy.url, body=canonical)) == STORED
+    as_text = ask(proxy.url, body=canonical, headers={"content-type": "text/plain"})
+    assert cache_status(as_text) == STORED
+    charset = {"content-type": "Application/JSON; charset=utf-8"}  # the same media type
+    assert cache_status(ask(proxy.url, body=canonical, headers=charset)) == HIT
+    assert tool.total == 2
+
+
 def test_methods_not_cached_pass_without_a_cache_status(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

@@ -8,7 +8,7 @@ comes first, and a hit is recorded as the outcome of its own key)::
 
     Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
     no-cache or max-age=0 on the request ──▶ forward (no read, no wait); stored if it can be
-    the key: method, path, query, the body's RFC 8785 digest, the principal (scope)
+    the key: method, path, query, media type, the body's RFC 8785 digest, the principal
       └─▶ the entry (``max-age=N`` on the request: too old for it)
             ├─ fresh, same Vary (digests) ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
             ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
@@ -308,20 +308,18 @@ class Cache:
         return await forward()
 
     def key(self, context: Context) -> str:
-        """``cache|<route>|<digest>`` of the method, path, query and the body's canonical
-        digest, and the principal for ``scope: principal``."""
+        """``cache|<route>|<digest>`` of the method, path, query, the body's media type
+        (the same bytes as JSON and as text are two requests) and canonical digest, and the
+        principal for ``scope: principal``."""
         scope = context.request.scope
-        body = fingerprint(
-            context.body,
-            context.request.header(b"content-type"),
-            self.canonicalization,
-            self.max_depth,
-        )
+        content_type = context.request.header(b"content-type")
+        body = fingerprint(context.body, content_type, self.canonicalization, self.max_depth)
+        media = (content_type or "").split(";", 1)[0].strip().lower()
         who = context.principal.encode() if self.per_principal else b"*"
         path: bytes = scope.get("raw_path") or scope["path"].encode()
-        material = b"\n".join(
-            (who, context.request.method.encode(), path, scope["query_string"], body.encode())
-        )
+        method = context.request.method.encode()
+        parts = (who, method, path, scope["query_string"], media.encode(), body.encode())
+        material = b"\n".join(parts)
         return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
 
     async def _bypass(
