@@ -307,6 +307,8 @@ class Proxy:
             trace.key = op.label
             lookup = None if route.reconcile is None else self._lookup(request, route, identity)
             response, trace.outcome = await guard.run(op, send, lookup)
+            if context is not None and context.cached and trace.outcome is Outcome.EXECUTED:
+                trace.outcome = Outcome.CACHED
         return response if context is None else Chain.decorate(context, response)
 
     def _forward(

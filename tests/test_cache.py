@@ -384,6 +384,12 @@ def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
     assert "age" not in replay.headers
     assert replay.content == first.content
     assert tool.total == 1
+    metrics = httpx.get(f"{proxy.url}/_proxy/metrics").text
+    for outcome in ("executed", "cached", "replayed"):  # a hit is not an execution
+        assert (
+            f'tool_proxy_requests_total{{outcome="{outcome}",route="tool",status="200"}} 1.0'
+            in (metrics)
+        ), outcome
 
 
 # -- single-flight --------------------------------------------------------------------------

@@ -419,7 +419,9 @@ class Cache:
             self.metrics.cache_decision(self.route, "hit")
             context.headers.append((HEADER, HIT))
         context.headers.append((b"age", str(age).encode()))  # the caller's, never recorded
-        return Cached(stored, body)
+        answer = Cached(stored, body)
+        context.cached = True
+        return answer
 
     async def _store_down(
         self, context: Context, forward: Forward, exc: StoreUnavailable
