@@ -326,6 +326,30 @@ def test_max_age_of_the_answer_shortens_its_life_and_age_is_sent(
     assert tool.total == 4
 
 
+def test_s_maxage_takes_precedence_over_max_age(clocked: Any, tool: CountingTool) -> None:
+    clock = Clock()
+    proxy = clocked(cached(tool.url, ttl="1h"), clock=clock)
+    shorter, longer = (
+        "?cache_control=max-age=3600,s-maxage=60",
+        "?cache_control=s-maxage=600,max-age=60",
+    )
+    assert cache_status(ask(proxy.url, shorter)) == STORED
+    assert cache_status(ask(proxy.url, longer)) == STORED
+    clock.now += 61
+    assert cache_status(ask(proxy.url, shorter)) == STORED  # s-maxage=60 ended it
+    assert cache_status(ask(proxy.url, longer)) == HIT  # max-age=60 did not
+    assert tool.total == 3
+
+
+def test_set_cookie_is_never_stored(make_proxy: ProxyFactory, tool: CountingTool) -> None:
+    proxy = make_proxy(cached(tool.url))
+    first = ask(proxy.url, "?cookie=1")
+    assert cache_status(first) == STORED and "secret-session" in first.headers["set-cookie"]
+    hit = ask(proxy.url, "?cookie=1")
+    assert cache_status(hit) == HIT and "set-cookie" not in hit.headers
+    assert hit.headers["x-tool"] == "counting" and tool.total == 1
+
+
 def test_an_answer_that_varies_is_reused_only_for_the_same_request_fields(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
