@@ -486,6 +486,26 @@ def test_a_large_cached_answer_lives_in_object_storage(
     assert tool.total == 2
 
 
+def test_a_large_cached_answer_altered_in_object_storage_is_cut_short_then_a_miss(
+    make_proxy: ProxyFactory, tool: CountingTool, s3: S3
+) -> None:
+    size = 2_000_000  # above VERIFY_WHOLE_BYTES: checked as it streams
+    proxy = make_proxy(cached(tool.url), offload=s3_offload(s3, threshold=10_000))
+    assert ask(proxy.url, f"?size={size}").content == expected(size)
+    [object_key] = s3.keys()
+    s3.client().put_object(Bucket=BUCKET, Key=object_key, Body=b"x" * size)  # same size
+    with pytest.raises(httpx.HTTPError):  # never a wrong whole body
+        ask(proxy.url, f"?size={size}")
+    wait_for(
+        lambda: (
+            cache_status(again := ask(proxy.url, f"?size={size}")) == STORED
+            and again.content == expected(size)
+        ),
+        what="the altered entry dropped: a miss",
+    )
+    assert tool.total == 2
+
+
 def test_an_answer_above_max_bytes_is_not_stored(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

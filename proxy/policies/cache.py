@@ -383,13 +383,13 @@ class Cache:
         """The stored answer; or, for a mark or an entry this request cannot take, a call."""
         if value == _MARK:
             return await self._forward(context, key, forward, b"miss")
-        found = await self._hit(context, value, max_age, waited)
+        found = await self._hit(context, key, value, max_age, waited)
         if isinstance(found, UpstreamResponse):
             return found
         return await self._forward(context, key, forward, found)
 
     async def _hit(
-        self, context: Context, value: bytes, max_age: int | None, collapsed: bool
+        self, context: Context, key: str, value: bytes, max_age: int | None, collapsed: bool
     ) -> UpstreamResponse | bytes:
         """The stored answer as a response; else the RFC 9211 fwd value of why not."""
         try:
@@ -409,6 +409,8 @@ class Cache:
                 if self.offload is None:
                     raise StoredResponseUnavailable("no object store is configured now")
                 body = await self.offload.get(stored.ref)
+                if not isinstance(body, bytes):  # checked as it streams: at its end
+                    body = self._checked(key, value, body)
             except StoredResponseUnavailable as exc:
                 self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
                 return b"miss"
@@ -422,6 +424,28 @@ class Cache:
         answer = Cached(stored, body)
         context.cached = True
         return answer
+
+    async def _checked(
+        self, key: str, value: bytes, body: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """A large offloaded body; one found altered (or unreadable) mid-stream is cut short
+        (never a wrong whole body) and its entry dropped, so the next request is a miss."""
+        try:
+            async for chunk in body:
+                yield chunk
+        except StoredResponseUnavailable as exc:
+            self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
+            self.tasks.spawn(self._drop(key, value))
+            raise
+
+    async def _drop(self, key: str, value: bytes) -> None:
+        """Replace the entry ``value`` (not a newer one) by a mark: the store has no delete
+        for shared values; the next request calls the tool and stores its answer."""
+        try:
+            if await self.store.get_value(key) == value:
+                await self.store.put_value(key, _MARK, MARK_SECONDS)
+        except StoreUnavailable as exc:
+            self.log.warning("cache_mark_failed", route=self.route, error=exc.detail)
 
     async def _store_down(
         self, context: Context, forward: Forward, exc: StoreUnavailable
