@@ -506,6 +506,25 @@ def test_a_large_cached_answer_altered_in_object_storage_is_cut_short_then_a_mis
     assert tool.total == 2
 
 
+def test_a_caller_that_leaves_mid_stream_does_not_discard_a_good_answer(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    size, query = 1_000_000, "?size=1000000&chunk_delay=0.05"  # 16 chunks, 0.05 s apart
+    proxy = make_proxy(cached(tool.url))
+    content = json.dumps(BODY).encode()
+    headers = {"content-type": "application/json"}
+    with httpx.stream(
+        "POST", f"{proxy.url}/tools/infer{query}", content=content, headers=headers
+    ) as r:
+        assert cache_status(r) == STORED
+        next(r.iter_raw())  # the first chunk, then the caller leaves
+    wait_for(
+        lambda: cache_status(hit := ask(proxy.url, query)) == HIT and hit.content == expected(size),
+        what="the answer read to its end and stored without its caller",
+    )
+    assert tool.total == 1
+
+
 def test_an_answer_above_max_bytes_is_not_stored(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

@@ -40,6 +40,7 @@ from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig
 from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
+    OutcomeUnknown,
     StoredResponseUnavailable,
     StoreError,
     StoreUnavailable,
@@ -163,14 +164,26 @@ gives the task that stores it, if any."""
 class Filling(UpstreamResponse):
     """A cacheable answer on its way to the caller, kept (up to ``limit`` bytes, in a
     spool: memory, then a file) as it is read. Its end (the last chunk) reaches the caller
-    once it is stored: the same request sent right after it is a hit."""
+    once it is stored: the same request sent right after it is a hit.
 
-    def __init__(self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept) -> None:
+    Streamed, it is read by a task of its own (``tasks``), the caller taking the chunks as
+    they come: a caller that leaves mid-stream does not discard a good answer, which is
+    read to its end and stored without it (a slow caller still slows the reading: at most
+    ``_AHEAD`` chunks wait for it)."""
+
+    _AHEAD = 2
+
+    def __init__(
+        self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept, tasks: TaskSet
+    ) -> None:
         super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
         self._upstream = upstream
         self._limit = limit
         self._spool = spool
         self._kept: Kept | None = kept
+        self._tasks = tasks
+        self._left = False
+        self._room = asyncio.Event()
 
     def _end(self, body: bytes | Spool | None) -> asyncio.Task[None] | None:
         kept, self._kept = self._kept, None
@@ -191,17 +204,45 @@ class Filling(UpstreamResponse):
         return body
 
     async def stream(self) -> AsyncIterator[bytes]:
-        spool: Spool | None = Spool(self._spool)
+        chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._tasks.spawn(self._read(chunks))
         held: bytes | None = None
         whole = False
         try:
-            async for chunk in self._upstream.stream():
+            while (item := await chunks.get()) is not None:
+                self._room.set()
+                if isinstance(item, BaseException):
+                    raise item
                 if held is not None:
                     yield held
+                held = item
+            whole = True
+        finally:
+            if not whole:  # the caller left: the reading goes on without it
+                self._left = True
+                self._room.set()
+        if held is not None:
+            yield held
+
+    async def _read(self, chunks: asyncio.Queue[bytes | BaseException | None]) -> None:
+        """The upstream body into the spool and to the caller (while it is there); stored
+        once whole, and then the end sent (None), or the error that cut it short."""
+        spool: Spool | None = Spool(self._spool)
+        whole = False
+        try:
+            async for chunk in self._upstream.stream():
                 if spool is not None:
                     spool = self._write(spool, chunk)
-                held = chunk
-            whole = True
+                if self._left and spool is None:  # nobody to send it to, nothing to keep
+                    break
+                await self._hand(chunks, chunk)
+            else:
+                whole = True
+        except Exception as exc:  # the tool's answer broke: the caller's, not this task's
+            chunks.put_nowait(exc)
+        except BaseException:  # a shutdown: the caller's answer ends cut short
+            chunks.put_nowait(OutcomeUnknown("the answer's reading was cancelled"))
+            raise
         finally:
             if spool is not None and not whole:
                 spool.close()
@@ -209,8 +250,19 @@ class Filling(UpstreamResponse):
             storing = self._end(spool)
         if storing is not None:
             await asyncio.wait({storing})
-        if held is not None:
-            yield held
+        if whole:
+            chunks.put_nowait(None)
+
+    async def _hand(
+        self, chunks: asyncio.Queue[bytes | BaseException | None], chunk: bytes
+    ) -> None:
+        """Give ``chunk`` to the caller, if it is still there; wait while it is behind."""
+        if self._left:
+            return
+        chunks.put_nowait(chunk)
+        while chunks.qsize() > self._AHEAD and not self._left:
+            self._room.clear()
+            await self._room.wait()
 
     def _write(self, spool: Spool, chunk: bytes) -> Spool | None:
         """The spool with ``chunk``; None (closed) once it is too large or fails."""
@@ -508,6 +560,7 @@ class Cache:
             self.max_bytes,
             self._spool,
             lambda body: self._kept(key, owner, upstream, vary, ttl, body),
+            self.tasks,
         )
 
     def _freshness(self, upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
