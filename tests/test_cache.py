@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -625,6 +625,12 @@ class Answer(UpstreamResponse):
             raise OutcomeUnknown("the connection broke mid-body")
         return b'{"ok":true}'
 
+    async def stream(self) -> AsyncIterator[bytes]:
+        yield b'{"ok":'
+        if self.broken:
+            raise OutcomeUnknown("the connection broke mid-body")
+        yield b"true}"
+
 
 class DownStore(MemoryStore):
     async def get_value(self, key: str) -> bytes | None:
@@ -850,3 +856,33 @@ def test_an_answer_sent_stored_that_cannot_be_written_is_counted_not_kept() -> N
     for decision in ("stored", "not_kept"):
         labels = {"route": "tool", "decision": decision}
         assert metrics.registry.get_sample_value("tool_proxy_cache_decisions_total", labels) == 1
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_streamed_answer_is_stored_whole_or_its_break_reaches_the_caller(broken: bool) -> None:
+    async def run() -> tuple[list[bytes], BaseException | None, bytes | None, bool]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer(broken=broken)
+
+        got: list[bytes] = []
+        error = None
+        try:
+            async for chunk in (await cache.wrap(context, forward)()).stream():
+                got.append(chunk)
+        except OutcomeUnknown as exc:
+            error = exc
+        await tasks.drain(1)
+        key = cache.key(context)
+        return got, error, await store.get_value(key), await store.acquire(key, "another", 1)
+
+    got, error, value, free = asyncio.run(run())
+    assert free
+    if broken:  # the first chunk is held back until the end: nothing, then the break
+        assert got == [] and error is not None and value == b"uncacheable"
+    else:
+        assert got == [b'{"ok":', b"true}"] and error is None
+        assert value is not None and decode_entry(value)[2].body == b'{"ok":true}'
