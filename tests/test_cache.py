@@ -390,7 +390,12 @@ def test_a_huge_max_age_either_way_is_served_on_a_guarded_route(
         proxy.url, f"?cache_control={huge}", {"n": 2}, {"idempotency-key": new_key({"n": 2})}
     )
     assert cache_status(again) == HIT and again.content == told.content
-    assert tool.total == 2
+    superscript = ask(
+        proxy.url, "?cache_control=max-age=%C2%B2", {"n": 3}, {"idempotency-key": new_key({"n": 3})}
+    )
+    assert superscript.status_code == 200  # the tool sent max-age=\xb2: latin-1 "²", not a number
+    assert cache_status(superscript) == "tool-proxy; fwd=miss; detail=max-age"
+    assert tool.total == 3
 
 
 def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
