@@ -23,7 +23,7 @@ from proxy.admin import AdminAuth, record_routes
 from proxy.asgi import Incoming, Reply
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
-from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS, DownstreamTokens
+from proxy.auth.tokens import DownstreamTokens
 from proxy.background import TaskSet
 from proxy.config import RESERVED_PREFIX, Config, RouteConfig, RouteProtocol, TokenMode, load_config
 from proxy.errors import (
@@ -307,6 +307,8 @@ class Proxy:
             trace.key = op.label
             lookup = None if route.reconcile is None else self._lookup(request, route, identity)
             response, trace.outcome = await guard.run(op, send, lookup)
+            if context is not None and context.cached and trace.outcome is Outcome.EXECUTED:
+                trace.outcome = Outcome.CACHED
         return response if context is None else Chain.decorate(context, response)
 
     def _forward(
@@ -564,12 +566,7 @@ def call_seconds(route: RouteConfig) -> float:
     each with ``token.retry_on_401``), the reconcile look-ups (at the failure, or on a
     retry and then the execution after its ``not_found``), the wait of a cache miss for
     an identical call, and the recording."""
-    token = route.token
-    fetches_token = token is not None and token.mode is not TokenMode.PASSTHROUGH
-    sends = 2 if token is not None and token.retry_on_401 else 1
-    tokens = TOKEN_TIMEOUT_SECONDS * sends if fetches_token else 0.0
-    seconds = tokens + route.timeout * sends + route.limit_wait + route.resource_wait()
-    seconds += route.cache_wait()
+    seconds = route.send_seconds() + route.cache_wait()
     if route.idempotency is not None:
         seconds += route.idempotency.conflict_wait + 2 * STORE_OPERATION_SECONDS
     if route.reconcile is not None:  # a retry's look-up, then the whole call; or one at failure

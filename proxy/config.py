@@ -465,6 +465,9 @@ class VersioningConfig(_Strict):
         return upper
 
 
+# Time allowed for one token endpoint call (proxy/auth/tokens.py), and so counted in the
+# longest a call can take.
+TOKEN_TIMEOUT_SECONDS = 10.0
 # How long a cached answer is served (routes[].cache.ttl), unless the tool says less.
 DEFAULT_CACHE_TTL = 24 * 3600.0
 # The methods whose answers are cached by default (HEAD never is: it has no body to keep).
@@ -710,24 +713,30 @@ class RouteConfig(_Strict):
             )
         if self.protocol is RouteProtocol.MCP:
             raise ValueError("cache: not on protocol: mcp routes (an answer holds its call's id)")
-        written = set(cache.methods) & set(
-            () if self.versioning is None else self.versioning.methods
-        )
-        if written:
+        if self.versioning is not None:  # the cache is outermost: Versioning never sees a hit
             raise ValueError(
-                f"cache.methods: {min(written)} is a versioned write (versioning.methods); "
-                "a cached answer would skip its precondition"
+                "cache and versioning: not on one route (a cached answer carries no ETag, "
+                "and a versioned write does not invalidate it: reads would be stale)"
             )
         return self
 
     def cache_wait(self) -> float:
         """The longest a cache miss waits for an identical call's answer: by default as
-        long as that call can take (the send, and the waits of limits and resources)."""
+        long as that call can take (``send_seconds``, the bound of the fill lock too)."""
         if self.cache is None:
             return 0.0
         if self.cache.wait is not None:
             return self.cache.wait
-        return self.timeout + self.limit_wait + self.resource_wait()
+        return self.send_seconds()
+
+    def send_seconds(self) -> float:
+        """The longest the send of one call can take: its token fetches and sends (two of
+        each with ``token.retry_on_401``), and the waits of limits and resources."""
+        token = self.token
+        sends = 2 if token is not None and token.retry_on_401 else 1
+        fetches = token is not None and token.mode is not TokenMode.PASSTHROUGH
+        seconds = (self.timeout + (TOKEN_TIMEOUT_SECONDS if fetches else 0.0)) * sends
+        return seconds + self.limit_wait + self.resource_wait()
 
     @field_validator("limits")
     @classmethod

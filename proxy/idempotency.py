@@ -86,6 +86,9 @@ class Outcome(StrEnum):
     ACCEPTED = "accepted"
     """Answered 202: a job runs the call (``jobs.py``)."""
     REJECTED = "rejected"
+    CACHED = "cached"
+    """A guarded call answered from the response cache (a hit, or collapsed onto an
+    identical call): recorded as its key's outcome, the tool not called for it."""
 
 
 class _Owners:

@@ -53,7 +53,7 @@ class Metrics:
         self._requests = Counter(
             "tool_proxy_requests",
             "Proxied requests by route, outcome (executed, replayed, conflict, released, "
-            "failed, passed, rejected) and status.",
+            "failed, passed, rejected, accepted, cached) and status.",
             ["route", "outcome", "status"],
             registry=self.registry,
         )

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,15 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
 from proxy.policies import Context
-from proxy.policies.cache import Cache, decode_entry, directives, encode_entry
+from proxy.policies.cache import (
+    FILL_MARGIN_SECONDS,
+    Cache,
+    decode_entry,
+    directives,
+    encode_entry,
+    fill_seconds,
+    seconds,
+)
 from proxy.store.memory import MemoryStore
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
@@ -122,13 +130,28 @@ def test_cache_keys_are_checked_each_naming_its_field() -> None:
     mcp = {**cached("http://h"), "protocol": "mcp"}
     with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache: not on protocol: mcp"):
         parse_config({"routes": [mcp]}, env={})
-    versioned = {**cached("http://h"), "versioning": {"key": "path:0"}}
-    with pytest.raises(ConfigError, match=r"cache.methods: POST is a versioned write"):
-        parse_config({"routes": [versioned]}, env={})
+    for methods in (["POST"], ["GET"]):  # a versioned write, or a read a write makes stale
+        versioned = {**cached("http://h", methods=methods), "versioning": {"key": "path:0"}}
+        with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache and versioning: not on"):
+            parse_config({"routes": [versioned]}, env={})
     good = parse_config({"routes": [cached("http://h", ttl="1h", methods=["post"])]}, env={})
     cache = good.routes[0].cache
     assert cache is not None and cache.ttl == 3600 and cache.methods == ("POST",)
     assert cache.statuses == (200, 203, 204) and good.routes[0].cache_wait() == 10.0
+
+
+def test_the_default_wait_is_as_long_as_the_call_it_waits_for() -> None:
+    spec = {**cached("http://h"), "timeout": "20s"}
+    spec["token"] = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp/token",
+        "client_id": "tool-proxy",
+        "client_secret_env": "SECRET",
+        "retry_on_401": True,
+    }
+    route = parse_config({"routes": [spec]}, env={"SECRET": "s"}).routes[0]
+    assert route.cache_wait() == (20 + 10) * 2  # two token fetches and two sends
+    assert route.cache_wait() == fill_seconds(route) - FILL_MARGIN_SECONDS
 
 
 def test_check_config_names_the_cache_fields(tmp_path: Path) -> None:
@@ -152,6 +175,13 @@ def test_cache_control_directives_and_entries_round_trip() -> None:
     entry = encode_entry(12.5, [(b"accept-language", b"de")], stored)
     assert decode_entry(entry) == (12.5, [(b"accept-language", b"de")], stored)
     assert decode_entry(encode_entry(1.0, [], stored))[2] == stored
+
+
+def test_delta_seconds_are_ascii_digits_and_a_huge_one_is_very_large() -> None:
+    assert seconds("60") == 60 and seconds("0") == 0
+    for invalid in ("", "-1", "1.5", " 6", "\u00b2", "\u0663", "6s"):  # ² and Arabic-Indic 3
+        assert seconds(invalid) == 0, invalid
+    assert seconds("9" * 5000) == seconds("1" + "0" * 20) == 9_999_999_999
 
 
 # -- hits and misses ------------------------------------------------------------------------
@@ -180,6 +210,19 @@ def test_a_repeated_request_is_a_hit_served_without_calling_the_tool(
     assert tool.total == 5
 
 
+def test_the_same_bytes_of_another_media_type_are_another_request(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    canonical = b'{"doc":7,"prompt":"summarise"}'  # its RFC 8785 form is its bytes
+    assert cache_status(ask(proxy.url, body=canonical)) == STORED
+    as_text = ask(proxy.url, body=canonical, headers={"content-type": "text/plain"})
+    assert cache_status(as_text) == STORED
+    charset = {"content-type": "Application/JSON; charset=utf-8"}  # the same media type
+    assert cache_status(ask(proxy.url, body=canonical, headers=charset)) == HIT
+    assert tool.total == 2
+
+
 def test_methods_not_cached_pass_without_a_cache_status(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
@@ -202,6 +245,21 @@ def test_request_no_cache_forces_a_fresh_call_and_stores_it(
     later = ask(proxy.url)
     assert cache_status(later) == HIT and later.json()["execution"] == 3
     assert ask(proxy.url, headers={"cache-control": "max-age=60"}).json()["execution"] == 3
+
+
+@pytest.mark.parametrize("asked", ["no-cache", "max-age=0"])
+def test_request_no_cache_during_a_fill_calls_at_once_without_waiting_for_it(
+    make_proxy: ProxyFactory, tool: CountingTool, asked: str
+) -> None:
+    proxy = make_proxy(cached(tool.url))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(ask, proxy.url, "?delay=1")
+        wait_for(lambda: tool.in_flight == 1, what="the fill at the tool")
+        fresh = ask(proxy.url, "?delay=1", headers={"cache-control": asked})
+        assert cache_status(fresh) == "tool-proxy; fwd=request; stored"
+        assert cache_status(first.result()) == STORED
+    assert tool.most_in_flight == 2 and tool.total == 2  # it did not wait for the fill
+    assert cache_status(ask(proxy.url, "?delay=1")) == HIT
 
 
 def test_request_no_store_skips_the_cache_both_ways(
@@ -268,6 +326,30 @@ def test_max_age_of_the_answer_shortens_its_life_and_age_is_sent(
     assert tool.total == 4
 
 
+def test_s_maxage_takes_precedence_over_max_age(clocked: Any, tool: CountingTool) -> None:
+    clock = Clock()
+    proxy = clocked(cached(tool.url, ttl="1h"), clock=clock)
+    shorter, longer = (
+        "?cache_control=max-age=3600,s-maxage=60",
+        "?cache_control=s-maxage=600,max-age=60",
+    )
+    assert cache_status(ask(proxy.url, shorter)) == STORED
+    assert cache_status(ask(proxy.url, longer)) == STORED
+    clock.now += 61
+    assert cache_status(ask(proxy.url, shorter)) == STORED  # s-maxage=60 ended it
+    assert cache_status(ask(proxy.url, longer)) == HIT  # max-age=60 did not
+    assert tool.total == 3
+
+
+def test_set_cookie_is_never_stored(make_proxy: ProxyFactory, tool: CountingTool) -> None:
+    proxy = make_proxy(cached(tool.url))
+    first = ask(proxy.url, "?cookie=1")
+    assert cache_status(first) == STORED and "secret-session" in first.headers["set-cookie"]
+    hit = ask(proxy.url, "?cookie=1")
+    assert cache_status(hit) == HIT and "set-cookie" not in hit.headers
+    assert hit.headers["x-tool"] == "counting" and tool.total == 1
+
+
 def test_an_answer_that_varies_is_reused_only_for_the_same_request_fields(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
@@ -292,6 +374,30 @@ def test_a_body_without_a_digest_is_passed_on_uncached(
 # -- with idempotency -----------------------------------------------------------------------
 
 
+def test_a_huge_max_age_either_way_is_served_on_a_guarded_route(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(cached(tool.url, guarded=True))
+    huge = "max-age=" + "9" * 5000  # beyond int()'s digit limit
+    asked = ask(proxy.url, headers={"idempotency-key": new_key(BODY), "cache-control": huge})
+    assert asked.status_code == 200 and asked.json()["execution"] == 1
+    assert cache_status(asked) == STORED
+    told = ask(
+        proxy.url, f"?cache_control={huge}", {"n": 2}, {"idempotency-key": new_key({"n": 2})}
+    )
+    assert told.status_code == 200 and cache_status(told) == STORED
+    again = ask(
+        proxy.url, f"?cache_control={huge}", {"n": 2}, {"idempotency-key": new_key({"n": 2})}
+    )
+    assert cache_status(again) == HIT and again.content == told.content
+    superscript = ask(
+        proxy.url, "?cache_control=max-age=%C2%B2", {"n": 3}, {"idempotency-key": new_key({"n": 3})}
+    )
+    assert superscript.status_code == 200  # the tool sent max-age=\xb2: latin-1 "²", not a number
+    assert cache_status(superscript) == "tool-proxy; fwd=miss; detail=max-age"
+    assert tool.total == 3
+
+
 def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
@@ -307,6 +413,12 @@ def test_on_a_guarded_route_a_hit_is_recorded_as_its_keys_outcome(
     assert "age" not in replay.headers
     assert replay.content == first.content
     assert tool.total == 1
+    metrics = httpx.get(f"{proxy.url}/_proxy/metrics").text
+    for outcome in ("executed", "cached", "replayed"):  # a hit is not an execution
+        assert (
+            f'tool_proxy_requests_total{{outcome="{outcome}",route="tool",status="200"}} 1.0'
+            in (metrics)
+        ), outcome
 
 
 # -- single-flight --------------------------------------------------------------------------
@@ -379,6 +491,45 @@ def test_a_large_cached_answer_lives_in_object_storage(
     assert tool.total == 2
 
 
+def test_a_large_cached_answer_altered_in_object_storage_is_cut_short_then_a_miss(
+    make_proxy: ProxyFactory, tool: CountingTool, s3: S3
+) -> None:
+    size = 2_000_000  # above VERIFY_WHOLE_BYTES: checked as it streams
+    proxy = make_proxy(cached(tool.url), offload=s3_offload(s3, threshold=10_000))
+    assert ask(proxy.url, f"?size={size}").content == expected(size)
+    [object_key] = s3.keys()
+    s3.client().put_object(Bucket=BUCKET, Key=object_key, Body=b"x" * size)  # same size
+    with pytest.raises(httpx.HTTPError):  # never a wrong whole body
+        ask(proxy.url, f"?size={size}")
+    wait_for(
+        lambda: (
+            cache_status(again := ask(proxy.url, f"?size={size}")) == STORED
+            and again.content == expected(size)
+        ),
+        what="the altered entry dropped: a miss",
+    )
+    assert tool.total == 2
+
+
+def test_a_caller_that_leaves_mid_stream_does_not_discard_a_good_answer(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    size, query = 1_000_000, "?size=1000000&chunk_delay=0.05"  # 16 chunks, 0.05 s apart
+    proxy = make_proxy(cached(tool.url))
+    content = json.dumps(BODY).encode()
+    headers = {"content-type": "application/json"}
+    with httpx.stream(
+        "POST", f"{proxy.url}/tools/infer{query}", content=content, headers=headers
+    ) as r:
+        assert cache_status(r) == STORED
+        next(r.iter_raw())  # the first chunk, then the caller leaves
+    wait_for(
+        lambda: cache_status(hit := ask(proxy.url, query)) == HIT and hit.content == expected(size),
+        what="the answer read to its end and stored without its caller",
+    )
+    assert tool.total == 1
+
+
 def test_an_answer_above_max_bytes_is_not_stored(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
@@ -405,6 +556,23 @@ def test_scope_principal_never_serves_another_callers_answer(
     assert cache_status(as_("alice")) == HIT
     assert cache_status(as_("bob")) == STORED
     assert cache_status(as_("bob", "?cache_control=private")) == STORED  # private: per caller
+    assert cache_status(as_("bob", "?cache_control=private")) == HIT
+    assert cache_status(as_("alice", "?cache_control=private")) == STORED  # not bob's
+    assert tool.total == 4
+
+
+def test_a_private_answer_is_not_shared_by_the_anonymous_callers(
+    make_proxy: ProxyFactory, tool: CountingTool, idp: IdentityProvider
+) -> None:
+    spec = cached(tool.url, scope="principal")
+    spec["auth"] = {"required": False}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    for _ in range(2):  # no token: principal "", one cache for all of them
+        assert cache_status(ask(proxy.url, "?cache_control=private")) == (
+            "tool-proxy; fwd=miss; detail=private"
+        )
+    assert cache_status(ask(proxy.url)) == STORED  # what is not private they share
+    assert cache_status(ask(proxy.url)) == HIT
     assert tool.total == 3
 
 
@@ -452,14 +620,21 @@ def test_ten_identical_misses_across_replicas_make_one_call_and_other_callers_mi
 class Answer(UpstreamResponse):
     """A tool's answer without a connection; ``broken``: its body never arrives whole."""
 
-    def __init__(self, broken: bool = False) -> None:
-        super().__init__(200, [(b"content-type", b"application/json")], 11, None)  # type: ignore[arg-type]
+    def __init__(self, broken: bool = False, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        sent = [(b"content-type", b"application/json"), *headers]
+        super().__init__(200, sent, 11, None)  # type: ignore[arg-type]
         self.broken = broken
 
     async def read(self) -> bytes:
         if self.broken:
             raise OutcomeUnknown("the connection broke mid-body")
         return b'{"ok":true}'
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        yield b'{"ok":'
+        if self.broken:
+            raise OutcomeUnknown("the connection broke mid-body")
+        yield b"true}"
 
 
 class DownStore(MemoryStore):
@@ -475,14 +650,14 @@ def policy(store: MemoryStore) -> tuple[Cache, TaskSet]:
     return Cache(ROUTE, store, Metrics(), tasks, structlog.get_logger()), tasks
 
 
-def context_of() -> Context:
+def context_of(*headers: tuple[bytes, bytes]) -> Context:
     scope = {
         "type": "http",
         "method": "POST",
         "path": "/tools/infer",
         "raw_path": b"/tools/infer",
         "query_string": b"",
-        "headers": [(b"content-type", b"application/json")],
+        "headers": [(b"content-type", b"application/json"), *headers],
     }
     request = Incoming.of(scope, None)  # type: ignore[arg-type]
     return Context(ROUTE, request, json.dumps(BODY).encode())
@@ -521,3 +696,198 @@ def test_an_answer_that_breaks_is_not_stored_and_frees_its_waiters_at_once() -> 
 
     value, free = asyncio.run(run())
     assert value == b"uncacheable" and free  # waiters call the tool themselves, now
+
+
+def test_a_failure_of_the_cache_before_the_send_forwards_the_call_once() -> None:
+    async def run() -> tuple[bytes, Context, int]:
+        cache, _ = policy(MemoryStore())
+        context = context_of()
+        calls = 0
+
+        def broken(context: Context) -> str:
+            raise RuntimeError("a bug in the key")
+
+        async def forward() -> UpstreamResponse:
+            nonlocal calls
+            calls += 1
+            return Answer()
+
+        cache.key = broken  # type: ignore[method-assign]
+        return await (await cache.wrap(context, forward)()).read(), context, calls
+
+    body, context, calls = asyncio.run(run())
+    assert body == b'{"ok":true}' and calls == 1
+    assert context.headers == [(b"cache-status", b"tool-proxy; fwd=miss; detail=error")]
+
+
+def test_an_error_of_the_send_itself_is_raised_not_sent_again() -> None:
+    async def run() -> int:
+        cache, tasks = policy(MemoryStore())
+        calls = 0
+
+        async def forward() -> UpstreamResponse:
+            nonlocal calls
+            calls += 1
+            raise OutcomeUnknown("the tool timed out")
+
+        with pytest.raises(OutcomeUnknown):
+            await cache.wrap(context_of(), forward)()
+        await tasks.drain(1)
+        return calls
+
+    assert asyncio.run(run()) == 1
+
+
+class SecondReadFails(MemoryStore):
+    """The first read of an entry answers; every later one fails (after the fill lock)."""
+
+    reads = 0
+
+    async def get_value(self, key: str) -> bytes | None:
+        self.reads += key.startswith("cache|")  # not the lock's own key
+        if self.reads > 1 and key.startswith("cache|"):
+            raise StoreUnavailable("redis store: ConnectionError")
+        return await super().get_value(key)
+
+
+def test_the_fill_lock_is_freed_when_the_read_after_it_fails() -> None:
+    async def run() -> tuple[bytes, bool]:
+        store = SecondReadFails()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        return body, await store.acquire(cache.key(context), "another", 1)
+
+    body, free = asyncio.run(run())
+    assert body == b'{"ok":true}' and free
+
+
+def test_a_failure_of_the_cache_after_the_send_keeps_the_answer_and_frees_the_lock() -> None:
+    async def run() -> tuple[bytes, bytes | None, bool, Context]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        def broken(upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
+            raise RuntimeError("a bug in freshness")
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        cache._freshness = broken  # type: ignore[method-assign]
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        key = cache.key(context)
+        return body, await store.get_value(key), await store.acquire(key, "another", 1), context
+
+    body, value, free, context = asyncio.run(run())
+    assert body == b'{"ok":true}' and value == b"uncacheable" and free
+    assert context.headers == []
+
+
+def test_the_values_of_varyd_fields_are_kept_as_digests_never_as_sent() -> None:
+    secret = b"Bearer secret-token-of-alice"
+
+    async def run() -> tuple[bytes | None, list[bytes]]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        statuses = []
+        for token in (secret, secret, b"Bearer another"):
+            context = context_of((b"authorization", token))
+
+            async def forward() -> UpstreamResponse:
+                return Answer(headers=((b"vary", b"Authorization"),))
+
+            await (await cache.wrap(context, forward)()).read()
+            await tasks.drain(1)
+            statuses.append(dict(context.headers)[b"cache-status"])
+        return await store.get_value(cache.key(context)), statuses
+
+    value, statuses = asyncio.run(run())
+    assert statuses == [STORED.encode(), HIT.encode(), b"tool-proxy; fwd=vary-miss; stored"]
+    assert value is not None and b"secret-token" not in value and b"another" not in value
+
+
+def test_a_mark_never_replaces_an_answer_stored_meanwhile() -> None:
+    stored = encode_entry(time.time(), [], StoredResponse(200, [], b'{"ok":1}'))
+
+    async def run() -> bytes | None:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:  # a waiter past its wait stores its answer
+            await store.put_value(cache.key(context), stored, 60)
+            return Answer(broken=True)
+
+        upstream = await cache.wrap(context, forward)()
+        with pytest.raises(OutcomeUnknown):
+            await upstream.read()
+        await tasks.drain(1)
+        return await store.get_value(cache.key(context))
+
+    assert asyncio.run(run()) == stored
+
+
+class WritesFail(MemoryStore):
+    async def put_value(self, key: str, value: bytes, ttl: float) -> None:
+        if key.startswith("cache|"):  # entries and marks; the fill lock (lock|...) works
+            raise StoreUnavailable("redis store: ConnectionError")
+        await super().put_value(key, value, ttl)
+
+
+def test_an_answer_sent_stored_that_cannot_be_written_is_counted_not_kept() -> None:
+    async def run() -> tuple[bytes, Context, Metrics, bool]:
+        store = WritesFail()
+        tasks, metrics = TaskSet(), Metrics()
+        cache = Cache(ROUTE, store, metrics, tasks, structlog.get_logger())
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        body = await (await cache.wrap(context, forward)()).read()
+        await tasks.drain(1)
+        return body, context, metrics, await store.acquire(cache.key(context), "another", 1)
+
+    body, context, metrics, free = asyncio.run(run())
+    assert body == b'{"ok":true}' and free
+    assert context.headers == [(b"cache-status", STORED.encode())]  # sent before the write
+    for decision in ("stored", "not_kept"):
+        labels = {"route": "tool", "decision": decision}
+        assert metrics.registry.get_sample_value("tool_proxy_cache_decisions_total", labels) == 1
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_streamed_answer_is_stored_whole_or_its_break_reaches_the_caller(broken: bool) -> None:
+    async def run() -> tuple[list[bytes], BaseException | None, bytes | None, bool]:
+        store = MemoryStore()
+        cache, tasks = policy(store)
+        context = context_of()
+
+        async def forward() -> UpstreamResponse:
+            return Answer(broken=broken)
+
+        got: list[bytes] = []
+        error = None
+        try:
+            async for chunk in (await cache.wrap(context, forward)()).stream():
+                got.append(chunk)
+        except OutcomeUnknown as exc:
+            error = exc
+        await tasks.drain(1)
+        key = cache.key(context)
+        return got, error, await store.get_value(key), await store.acquire(key, "another", 1)
+
+    got, error, value, free = asyncio.run(run())
+    assert free
+    if broken:  # the first chunk is held back until the end: nothing, then the break
+        assert got == [] and error is not None and value == b"uncacheable"
+    else:
+        assert got == [b'{"ok":', b"true}"] and error is None
+        assert value is not None and decode_entry(value)[2].body == b'{"ok":true}'

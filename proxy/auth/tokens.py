@@ -33,7 +33,7 @@ import httpx
 from starlette.datastructures import Secret
 
 from proxy.auth.sealing import Sealer
-from proxy.config import RouteConfig, TokenConfig, TokenMode
+from proxy.config import TOKEN_TIMEOUT_SECONDS, RouteConfig, TokenConfig, TokenMode
 from proxy.errors import (
     ConfigError,
     IdentityProviderUnavailable,
@@ -53,8 +53,6 @@ SHARED_LOCK_SECONDS = 10.0
 SHARED_POLL_SECONDS = 0.05
 # How long a refresh token is kept when the IdP does not say (refresh_expires_in).
 DEFAULT_REFRESH_LIFETIME = 8 * 3600.0
-# Time allowed for one token endpoint call.
-TOKEN_TIMEOUT_SECONDS = 10.0
 
 
 @dataclass(slots=True)

@@ -47,6 +47,8 @@ class Context:
     principal: str = ""
     headers: RawHeaders = field(default_factory=list)
     """Added to the caller's answer by ``Chain.decorate`` (never recorded or replayed)."""
+    cached: bool = False
+    """Set by the cache when the answer is a stored one (the tool not called for it)."""
 
     def send_header(self, name: bytes, value: bytes) -> None:
         """Send ``name: value`` to the tool in place of any the caller sent (e.g. a

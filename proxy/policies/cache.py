@@ -7,9 +7,10 @@ and no quota; on a guarded route it runs after the claim, so a duplicate's 409 o
 comes first, and a hit is recorded as the outcome of its own key)::
 
     Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
-    the key: method, path, query, the body's RFC 8785 digest, the principal (scope)
-      └─▶ the entry (``no-cache`` or ``max-age`` on the request: too old for it)
-            ├─ fresh, same Vary ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
+    no-cache or max-age=0 on the request ──▶ forward (no read, no wait); stored if it can be
+    the key: method, path, query, media type, the body's RFC 8785 digest, the principal
+      └─▶ the entry (``max-age=N`` on the request: too old for it)
+            ├─ fresh, same Vary (digests) ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
             ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
             └─ none ──▶ take the key's fill lock in the store (one call across replicas)
                   ├─ taken ──▶ forward ──▶ cacheable: stored once its body is read,
@@ -27,18 +28,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from proxy.asgi import RawHeaders
-from proxy.auth.tokens import TOKEN_TIMEOUT_SECONDS
 from proxy.background import TaskSet
-from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, TokenMode
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig
 from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
+    OutcomeUnknown,
     StoredResponseUnavailable,
     StoreError,
     StoreUnavailable,
@@ -57,6 +59,10 @@ FILL_MARGIN_SECONDS = 5.0
 # How long a "not cacheable" mark lets identical misses call the tool without waiting
 # (the waiters of the call that made it go at once).
 MARK_SECONDS = 5.0
+# Delta-seconds with more digits than this count as this many 9s (RFC 9111 1.2.2: a cache
+# may take a value it cannot represent as "very large"; int() refuses 4300+ digits).
+MAX_SECONDS_DIGITS = 10
+_DIGITS = re.compile(r"[0-9]+")
 # The first pause between two reads of an entry being filled, doubled up to the longest.
 FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
@@ -64,7 +70,7 @@ MAX_POLL_SECONDS = 0.05
 HEADER = b"cache-status"
 HIT = b"tool-proxy; hit"
 _MARK = b"uncacheable"
-_VERSION = b"c1"
+_VERSION = b"c2"  # c1 kept the Vary'd values themselves: read as malformed, a miss
 # Never kept with a cached answer: it gets its own Age.
 _NOT_KEPT = frozenset({b"age"})
 
@@ -85,9 +91,14 @@ def directives(field: str) -> dict[str, str]:
     return out
 
 
-def _seconds(value: str) -> int:
-    """A delta-seconds argument; an invalid one counts as 0 (RFC 9111 1.2.2: stale)."""
-    return int(value) if value.isdigit() else 0
+def seconds(value: str) -> int:
+    """A delta-seconds argument (ASCII digits only); an invalid one counts as 0 (RFC 9111
+    1.2.2: stale), one of more than MAX_SECONDS_DIGITS digits as very large."""
+    if not _DIGITS.fullmatch(value):
+        return 0
+    if len(value) > MAX_SECONDS_DIGITS:
+        return int("9" * MAX_SECONDS_DIGITS)
+    return int(value)
 
 
 def status(fwd: bytes, *params: bytes) -> bytes:
@@ -95,9 +106,15 @@ def status(fwd: bytes, *params: bytes) -> bytes:
     return b"; ".join((b"tool-proxy", b"fwd=" + fwd, *params))
 
 
+def vary_digest(headers: RawHeaders, name: bytes) -> bytes:
+    """The SHA-256 (hex) of the request's ``name`` field: what an entry keeps of a field its
+    answer varies on (``Vary: Authorization`` must not put a bearer token in the store)."""
+    return hashlib.sha256(_field(headers, name).encode("latin-1")).hexdigest().encode()
+
+
 def encode_entry(stored_at: float, vary: RawHeaders, stored: StoredResponse) -> bytes:
-    """``c1 <stored at>``, the request's Vary fields as lines, a blank line, the answer
-    (``StoredResponse.encode``)."""
+    """``c2 <stored at>``, the request's Vary fields (``name: <vary_digest>``) as lines, a
+    blank line, the answer (``StoredResponse.encode``)."""
     lines = [b"%s %.3f" % (_VERSION, stored_at), *(k + b": " + v for k, v in vary)]
     return b"\r\n".join(lines) + b"\r\n\r\n" + stored.encode()
 
@@ -147,14 +164,26 @@ gives the task that stores it, if any."""
 class Filling(UpstreamResponse):
     """A cacheable answer on its way to the caller, kept (up to ``limit`` bytes, in a
     spool: memory, then a file) as it is read. Its end (the last chunk) reaches the caller
-    once it is stored: the same request sent right after it is a hit."""
+    once it is stored: the same request sent right after it is a hit.
 
-    def __init__(self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept) -> None:
+    Streamed, it is read by a task of its own (``tasks``), the caller taking the chunks as
+    they come: a caller that leaves mid-stream does not discard a good answer, which is
+    read to its end and stored without it (a slow caller still slows the reading: at most
+    ``_AHEAD`` chunks wait for it)."""
+
+    _AHEAD = 2
+
+    def __init__(
+        self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept, tasks: TaskSet
+    ) -> None:
         super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
         self._upstream = upstream
         self._limit = limit
         self._spool = spool
         self._kept: Kept | None = kept
+        self._tasks = tasks
+        self._left = False
+        self._room = asyncio.Event()
 
     def _end(self, body: bytes | Spool | None) -> asyncio.Task[None] | None:
         kept, self._kept = self._kept, None
@@ -175,17 +204,45 @@ class Filling(UpstreamResponse):
         return body
 
     async def stream(self) -> AsyncIterator[bytes]:
-        spool: Spool | None = Spool(self._spool)
+        chunks: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._tasks.spawn(self._read(chunks))
         held: bytes | None = None
         whole = False
         try:
-            async for chunk in self._upstream.stream():
+            while (item := await chunks.get()) is not None:
+                self._room.set()
+                if isinstance(item, BaseException):
+                    raise item
                 if held is not None:
                     yield held
+                held = item
+            whole = True
+        finally:
+            if not whole:  # the caller left: the reading goes on without it
+                self._left = True
+                self._room.set()
+        if held is not None:
+            yield held
+
+    async def _read(self, chunks: asyncio.Queue[bytes | BaseException | None]) -> None:
+        """The upstream body into the spool and to the caller (while it is there); stored
+        once whole, and then the end sent (None), or the error that cut it short."""
+        spool: Spool | None = Spool(self._spool)
+        whole = False
+        try:
+            async for chunk in self._upstream.stream():
                 if spool is not None:
                     spool = self._write(spool, chunk)
-                held = chunk
-            whole = True
+                if self._left and spool is None:  # nobody to send it to, nothing to keep
+                    break
+                await self._hand(chunks, chunk)
+            else:
+                whole = True
+        except Exception as exc:  # the tool's answer broke: the caller's, not this task's
+            chunks.put_nowait(exc)
+        except BaseException:  # a shutdown: the caller's answer ends cut short
+            chunks.put_nowait(OutcomeUnknown("the answer's reading was cancelled"))
+            raise
         finally:
             if spool is not None and not whole:
                 spool.close()
@@ -193,8 +250,19 @@ class Filling(UpstreamResponse):
             storing = self._end(spool)
         if storing is not None:
             await asyncio.wait({storing})
-        if held is not None:
-            yield held
+        if whole:
+            chunks.put_nowait(None)
+
+    async def _hand(
+        self, chunks: asyncio.Queue[bytes | BaseException | None], chunk: bytes
+    ) -> None:
+        """Give ``chunk`` to the caller, if it is still there; wait while it is behind."""
+        if self._left:
+            return
+        chunks.put_nowait(chunk)
+        while chunks.qsize() > self._AHEAD and not self._left:
+            self._room.clear()
+            await self._room.wait()
 
     def _write(self, spool: Spool, chunk: bytes) -> Spool | None:
         """The spool with ``chunk``; None (closed) once it is too large or fails."""
@@ -252,37 +320,58 @@ class Cache:
             return forward
 
         async def cached() -> UpstreamResponse:
-            asked = directives(_field(context.request.scope["headers"], b"cache-control"))
-            if "no-store" in asked:
-                return await self._bypass(context, forward, b"request", b"detail=no-store")
+            sent = False
+
+            async def send() -> UpstreamResponse:
+                nonlocal sent
+                sent = True
+                return await forward()
+
             try:
-                key = self.key(context)
-            except BadRequest:  # a body that has no digest: never cached, passed on
-                return await self._bypass(context, forward, b"bypass", b"detail=body")
-            max_age = None  # how old an answer the caller takes; -1: none (a fresh call)
-            if "no-cache" in asked:
-                max_age = -1
-            elif "max-age" in asked:
-                max_age = _seconds(asked["max-age"]) or -1
-            return await self._lookup(context, key, forward, max_age)
+                return await self._cached(context, send)
+            except Exception as exc:
+                if sent:  # the tool's (or the send's) own error: the Guard's to judge
+                    raise
+                return await self._failed(context, forward, exc)
 
         return cached
 
+    async def _cached(self, context: Context, forward: Forward) -> UpstreamResponse:
+        asked = directives(_field(context.request.scope["headers"], b"cache-control"))
+        if "no-store" in asked:
+            return await self._bypass(context, forward, b"request", b"detail=no-store")
+        try:
+            key = self.key(context)
+        except BadRequest:  # a body that has no digest: never cached, passed on
+            return await self._bypass(context, forward, b"bypass", b"detail=body")
+        max_age = seconds(asked["max-age"]) if "max-age" in asked else None
+        if "no-cache" in asked or max_age == 0:  # fresh: nothing to read or wait for
+            return await self._forward(context, key, forward, b"request")
+        return await self._lookup(context, key, forward, max_age)
+
+    async def _failed(self, context: Context, forward: Forward, exc: Exception) -> UpstreamResponse:
+        """The cache itself failed before the send (a bug, an entry it cannot read): it
+        fails open, so the call is forwarded as if the route had no cache. Never an error
+        of its own, which a guarded route would record as "may have been executed"."""
+        self.metrics.cache_decision(self.route, "error")
+        self.log.warning("cache_failed", route=self.route, error=repr(exc))
+        context.headers[:] = [(k, v) for k, v in context.headers if k not in (HEADER, b"age")]
+        context.headers.append((HEADER, status(b"miss", b"detail=error")))
+        return await forward()
+
     def key(self, context: Context) -> str:
-        """``cache|<route>|<digest>`` of the method, path, query and the body's canonical
-        digest, and the principal for ``scope: principal``."""
+        """``cache|<route>|<digest>`` of the method, path, query, the body's media type
+        (the same bytes as JSON and as text are two requests) and canonical digest, and the
+        principal for ``scope: principal``."""
         scope = context.request.scope
-        body = fingerprint(
-            context.body,
-            context.request.header(b"content-type"),
-            self.canonicalization,
-            self.max_depth,
-        )
+        content_type = context.request.header(b"content-type")
+        body = fingerprint(context.body, content_type, self.canonicalization, self.max_depth)
+        media = (content_type or "").split(";", 1)[0].strip().lower()
         who = context.principal.encode() if self.per_principal else b"*"
         path: bytes = scope.get("raw_path") or scope["path"].encode()
-        material = b"\n".join(
-            (who, context.request.method.encode(), path, scope["query_string"], body.encode())
-        )
+        method = context.request.method.encode()
+        parts = (who, method, path, scope["query_string"], media.encode(), body.encode())
+        material = b"\n".join(parts)
         return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
 
     async def _bypass(
@@ -324,7 +413,11 @@ class Cache:
         value = await self.store.get_value(key)
         if value is not None or not await self.store.acquire(key, owner, self.fill_ttl):
             return value, False
-        value = await self.store.get_value(key)  # filled between the first read and the lock?
+        try:
+            value = await self.store.get_value(key)  # filled between the first read and the lock?
+        except BaseException:  # not this call's to fill: its waiters must not wait for it
+            self._unlock(key, owner)
+            raise
         if value is None:
             return None, True
         self._unlock(key, owner)
@@ -342,13 +435,13 @@ class Cache:
         """The stored answer; or, for a mark or an entry this request cannot take, a call."""
         if value == _MARK:
             return await self._forward(context, key, forward, b"miss")
-        found = await self._hit(context, value, max_age, waited)
+        found = await self._hit(context, key, value, max_age, waited)
         if isinstance(found, UpstreamResponse):
             return found
         return await self._forward(context, key, forward, found)
 
     async def _hit(
-        self, context: Context, value: bytes, max_age: int | None, collapsed: bool
+        self, context: Context, key: str, value: bytes, max_age: int | None, collapsed: bool
     ) -> UpstreamResponse | bytes:
         """The stored answer as a response; else the RFC 9211 fwd value of why not."""
         try:
@@ -360,7 +453,7 @@ class Cache:
         if max_age is not None and age > max_age:
             return b"request"
         headers = context.request.scope["headers"]
-        if any(_field(headers, name) != wanted.decode("latin-1") for name, wanted in vary):
+        if any(vary_digest(headers, name) != wanted for name, wanted in vary):
             return b"vary-miss"
         body: bytes | AsyncIterator[bytes] = stored.body
         if stored.ref is not None:
@@ -368,6 +461,8 @@ class Cache:
                 if self.offload is None:
                     raise StoredResponseUnavailable("no object store is configured now")
                 body = await self.offload.get(stored.ref)
+                if not isinstance(body, bytes):  # checked as it streams: at its end
+                    body = self._checked(key, value, body)
             except StoredResponseUnavailable as exc:
                 self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
                 return b"miss"
@@ -378,7 +473,31 @@ class Cache:
             self.metrics.cache_decision(self.route, "hit")
             context.headers.append((HEADER, HIT))
         context.headers.append((b"age", str(age).encode()))  # the caller's, never recorded
-        return Cached(stored, body)
+        answer = Cached(stored, body)
+        context.cached = True
+        return answer
+
+    async def _checked(
+        self, key: str, value: bytes, body: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
+        """A large offloaded body; one found altered (or unreadable) mid-stream is cut short
+        (never a wrong whole body) and its entry dropped, so the next request is a miss."""
+        try:
+            async for chunk in body:
+                yield chunk
+        except StoredResponseUnavailable as exc:
+            self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
+            self.tasks.spawn(self._drop(key, value))
+            raise
+
+    async def _drop(self, key: str, value: bytes) -> None:
+        """Replace the entry ``value`` (not a newer one) by a mark: the store has no delete
+        for shared values; the next request calls the tool and stores its answer."""
+        try:
+            if await self.store.get_value(key) == value:
+                await self.store.put_value(key, _MARK, MARK_SECONDS)
+        except StoreUnavailable as exc:
+            self.log.warning("cache_mark_failed", route=self.route, error=exc.detail)
 
     async def _store_down(
         self, context: Context, forward: Forward, exc: StoreUnavailable
@@ -408,8 +527,24 @@ class Cache:
     def _keep(
         self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
     ) -> UpstreamResponse:
-        """``upstream``, stored once read if it is cacheable (then ``stored``)."""
-        ttl, why = self._freshness(upstream)
+        """``upstream``, stored once read if it is cacheable (then ``stored``, sent before
+        the body: it may still fail to be kept, counted ``not_kept``). Never
+        raises: the tool has answered, its answer goes to the caller whatever happens here."""
+        added = len(context.headers)
+        try:
+            return self._filling(context, key, upstream, fwd, owner)
+        except Exception as exc:
+            del context.headers[added:]
+            self.metrics.cache_decision(self.route, "error")
+            self.log.warning("cache_failed", route=self.route, error=repr(exc))
+            if owner:
+                self._give_up(key, owner)
+            return upstream
+
+    def _filling(
+        self, context: Context, key: str, upstream: UpstreamResponse, fwd: bytes, owner: str
+    ) -> UpstreamResponse:
+        ttl, why = self._freshness(upstream, context.principal)
         if why:
             self.metrics.cache_decision(self.route, "uncacheable")
             context.headers.append((HEADER, status(fwd, b"detail=" + why)))
@@ -418,26 +553,27 @@ class Cache:
             return upstream
         self.metrics.cache_decision(self.route, "stored")
         context.headers.append((HEADER, status(fwd, b"stored")))
-        vary = [
-            (name, _field(context.request.scope["headers"], name).encode("latin-1"))
-            for name in _vary(upstream.headers)
-        ]
+        headers = context.request.scope["headers"]
+        vary = [(name, vary_digest(headers, name)) for name in _vary(upstream.headers)]
         return Filling(
             upstream,
             self.max_bytes,
             self._spool,
             lambda body: self._kept(key, owner, upstream, vary, ttl, body),
+            self.tasks,
         )
 
-    def _freshness(self, upstream: UpstreamResponse) -> tuple[float, bytes]:
-        """How long the answer may be served, and b"" ; or (0, why it is not stored)."""
+    def _freshness(self, upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
+        """How long the answer may be served, and b"" ; or (0, why it is not stored).
+        ``private`` is stored only in a cache of one caller: never for ``scope: route``,
+        nor for the anonymous callers (principal "") that share one under ``principal``."""
         if upstream.status not in self.statuses:
             return 0.0, b"status"
         told = directives(_field(upstream.headers, b"cache-control"))
         for directive in ("no-store", "no-cache"):
             if directive in told:
                 return 0.0, directive.encode()
-        if "private" in told and not self.per_principal:
+        if "private" in told and not (self.per_principal and principal):
             return 0.0, b"private"
         if b"*" in _vary(upstream.headers):
             return 0.0, b"vary"
@@ -446,7 +582,7 @@ class Cache:
         ttl = self.ttl
         for directive in ("s-maxage", "max-age"):  # a shared cache: s-maxage first
             if directive in told:
-                ttl = min(ttl, _seconds(told[directive]))
+                ttl = min(ttl, seconds(told[directive]))
                 break
         return (ttl, b"") if ttl > 0 else (0.0, b"max-age")
 
@@ -486,6 +622,7 @@ class Cache:
             await self.store.put_value(key, encode_entry(self.clock(), vary, stored), ttl)
         except (StoreUnavailable, OffloadUnavailable, OSError) as exc:
             error = str(getattr(exc, "detail", exc))
+            self.metrics.cache_decision(self.route, "not_kept")
             self.log.warning("cache_not_stored", route=self.route, error=error)
             if owner:
                 await self._mark(key)
@@ -505,8 +642,13 @@ class Cache:
         await self._free(key, owner)
 
     async def _mark(self, key: str) -> None:
+        """The mark, only where there is no entry: a waiter past its wait may have stored
+        its own answer meanwhile. The store has no put-if-absent for shared values, so an
+        entry stored between the read and the write is replaced (the window of one store
+        round trip): its callers then miss, and call the tool, for MARK_SECONDS."""
         try:
-            await self.store.put_value(key, _MARK, MARK_SECONDS)
+            if await self.store.get_value(key) is None:
+                await self.store.put_value(key, _MARK, MARK_SECONDS)
         except StoreUnavailable as exc:
             self.log.warning("cache_mark_failed", route=self.route, error=exc.detail)
 
@@ -521,13 +663,10 @@ class Cache:
 
 
 def fill_seconds(route: RouteConfig) -> float:
-    """The fill lock's lease: the longest the one call can take (its sends, token fetches,
-    the waits of the policies inside the cache), and FILL_MARGIN_SECONDS to store it."""
-    token = route.token
-    sends = 2 if token is not None and token.retry_on_401 else 1
-    fetches = token is not None and token.mode is not TokenMode.PASSTHROUGH
-    seconds = (route.timeout + (TOKEN_TIMEOUT_SECONDS if fetches else 0.0)) * sends
-    return seconds + route.limit_wait + route.resource_wait() + FILL_MARGIN_SECONDS
+    """The fill lock's lease: the longest the one call can take (``send_seconds``: its
+    sends, token fetches, the waits of the policies inside the cache), and
+    FILL_MARGIN_SECONDS to store it. The default ``cache.wait`` is that call's bound."""
+    return route.send_seconds() + FILL_MARGIN_SECONDS
 
 
 def _vary(headers: RawHeaders) -> list[bytes]:
