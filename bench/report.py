@@ -557,16 +557,18 @@ running beside it; Redis started by the script, tool-proxy and the tool each in 
 process of their own, aiohttp clients; `--seconds 8 --jobs 500 --subscribers 200`, three
 runs):
 
-| | run 1 | run 2 | run 3 |
+| 32 callers, times in ms | run 1 | run 2 | run 3 |
 |---|---|---|---|
-| pass-through at 32 callers, p50 / p99 (the baseline) | 17.4 / 42.3 ms | 18.8 / 39.2 ms | 19.7 / 38.2 ms |
-| **time to 202** at 32 callers, p50 / p99 | 22.6 / **41.2** ms | 18.5 / **44.6** ms | 16.6 / **29.2** ms |
+| pass-through p50 / p99 (the baseline) | 17.4 / 42.3 | 18.8 / 39.2 | 19.7 / 38.2 |
+| **time to 202** p50 / p99 | 22.6 / **41.2** | 18.5 / **44.6** | 16.6 / **29.2** |
 | p99 time to 202 / p99 pass-through | 0.97 | 1.14 | 0.76 |
-| 202s per second at 32 callers | 1,337 | 1,593 | 1,850 |
-| operations completed per second (500 submitted at once, 32 workers, a tool answering at once) | 329 | 350 | 430 |
-| SSE fan-out: readers of one operation / reads of its events from Redis | 200 / 2 | 200 / 2 | 200 / 2 |
-| the same for 1 reader | 1 / 2 | 1 / 2 | 1 / 2 |
-| spread between the first and the last of 200 readers' `completed` event | 409 ms | 114 ms | 74 ms |
+| 202s per second | 1,337 | 1,593 | 1,850 |
+| operations completed per second (note 1) | 329 | 350 | 430 |
+| reads of an operation's events, 200 SSE readers | 2 | 2 | 2 |
+| the same, 1 reader | 2 | 2 | 2 |
+| first to last of 200 readers' `completed` event | 409 | 114 | 74 |
+
+Note 1: 500 operations submitted at once, 32 workers, a tool answering at once.
 
 - The target, a p99 time to 202 under 50 ms at 32 callers, is met in each run: a 202 is
   the claim, the job kept (one script: job hash, first event, stream entry) and the
