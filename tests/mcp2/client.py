@@ -1,0 +1,62 @@
+"""The official MCP SDK 2.x client (``mcp.Client``), run by tests/test_mcp_2026.py with
+.venv-mcp2's Python. It reads a plan as JSON on stdin and prints what happened as JSON:
+
+    {"url": "...", "sessions": [[{"tool": "charge", "arguments": {...}, "key": "..."}]]}
+
+Each session is a new ``Client`` (a new connection, ``mode="auto"``: it negotiates the
+newest revision both sides speak); each call sends its key in
+``params._meta.idempotencyKey`` and takes progress notifications (the ones it got are
+printed: they come only over SSE, from a first execution). An elicitation is answered ``{"sure": true}`` and
+counted. Printed: per session, the negotiated version, the elicitations, each call's
+result (or its JSON-RPC error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+from mcp import Client, MCPError, types
+from mcp.client.session import ClientRequestContext
+
+
+async def run_session(url: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    asked: list[str] = []
+
+    async def elicit(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"sure": True})
+
+    results: list[dict[str, Any]] = []
+    async with Client(url, elicitation_callback=elicit) as client:
+        for call in calls:
+            meta = {"idempotencyKey": call["key"]} if "key" in call else None
+            progress: list[float] = []
+
+            async def report(done: float, total: float | None, message: str | None) -> None:
+                progress.append(done)
+
+            try:
+                result = await client.call_tool(
+                    call["tool"], call["arguments"], progress_callback=report, meta=meta
+                )
+            except MCPError as exc:
+                results.append({"error": {"code": exc.code, "message": str(exc)}})
+                continue
+            answer = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+            results.append({"result": answer, "progress": progress})
+        return {"protocol_version": client.protocol_version, "asked": asked, "results": results}
+
+
+async def main() -> None:
+    plan = json.load(sys.stdin)
+    sessions = [await run_session(plan["url"], calls) for calls in plan["sessions"]]
+    json.dump(sessions, sys.stdout)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,65 @@
+"""An MCP server of the official SDK 2.x (MCPServer over Streamable HTTP), run by
+tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has mcp 1.x).
+
+    server.py PORT json|sse
+
+``charge`` counts its side effects per account, after a progress notification (which
+makes an SSE-mode server answer with an SSE stream; without one it answers JSON); ``close`` asks the user to confirm
+(an elicitation: an ``InputRequiredResult`` at 2026-07-28) before it counts. The counts
+are at ``GET /executions``, read by the test directly (not through the proxy).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Annotated
+
+import uvicorn
+from mcp.server.mcpserver import Context, Elicit, MCPServer, Resolve
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+executions: Counter[str] = Counter()
+server = MCPServer("billing-2026", log_level="WARNING")
+
+
+class Confirmation(BaseModel):
+    """What ``close`` asks the user for."""
+
+    sure: bool
+
+
+def confirm(account: str) -> Elicit[Confirmation]:
+    """The question ``close`` needs answered before it acts."""
+    return Elicit(f"Close {account}?", Confirmation)
+
+
+@server.tool()
+async def charge(account: str, cents: int, ctx: Context) -> str:
+    """Charge an account (a side effect, counted), reporting progress first."""
+    await ctx.report_progress(1, 2, "charging")
+    executions[account] += 1
+    return f"charged {cents} to {account} (#{executions[account]})"
+
+
+@server.tool()
+def close(account: str, answer: Annotated[Confirmation, Resolve(confirm)]) -> str:
+    """Close an account once the user confirms (counted when it acts)."""
+    if not answer.sure:
+        return f"kept {account}"
+    executions[f"close:{account}"] += 1
+    return f"closed {account} (#{executions[f'close:{account}']})"
+
+
+@server.custom_route("/executions", methods=["GET"])
+async def counts(request: Request) -> Response:
+    """The side effects so far, per account (``close:<account>`` for closes)."""
+    return JSONResponse(dict(executions))
+
+
+if __name__ == "__main__":
+    port, form = int(sys.argv[1]), sys.argv[2]
+    app = server.streamable_http_app(json_response=form == "json")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
