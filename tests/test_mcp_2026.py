@@ -1,0 +1,174 @@
+"""MCP revision 2026-07-28 with the official SDK 2.x on both sides.
+
+mcp 2.x (which speaks 2026-07-28) and mcp 1.x (which the proxy and the rest of the suite
+use) cannot share a virtual environment, so scripts/install keeps 2.x alone in
+``.venv-mcp2``: its server (tests/mcp2/server.py, MCPServer over Streamable HTTP, in JSON
+and in SSE mode) runs as a process, tool-proxy runs in front of it here, and its client
+(tests/mcp2/client.py, ``mcp.Client``) is a process that calls through the proxy and
+prints what it got, as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ProxyFactory, new_key
+from tests.servers import ROOT, free_port, wait_for
+from tests.test_mcp import mcp_route
+
+VENV = ROOT / ".venv-mcp2"
+SCRIPTS = ROOT / "tests" / "mcp2"
+REVISION = "2026-07-28"
+
+
+def sdk2_python(venv: Path = VENV) -> Path:
+    """The Python of the venv with mcp 2.x; a failure (not a skip) naming scripts/install
+    when it is missing, so that the 2026-07-28 tests never pass by not running."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        pytest.fail(
+            f"{venv} (the MCP SDK 2.x, for the 2026-07-28 tests) is missing: "
+            "run scripts/install",
+            pytrace=False,
+        )
+    return python
+
+
+@dataclass
+class Server2:
+    """The SDK 2.x server process, and its side effects as it counts them."""
+
+    url: str
+    form: str
+
+    def executions(self) -> dict[str, int]:
+        counts: dict[str, int] = httpx.get(f"{self.url}/executions").json()
+        return counts
+
+
+@pytest.fixture(scope="module", params=["json", "sse"])
+def server2(request: pytest.FixtureRequest) -> Iterator[Server2]:
+    port = free_port()
+    command = [str(sdk2_python()), str(SCRIPTS / "server.py"), str(port), request.param]
+    with subprocess.Popen(command, stderr=subprocess.PIPE) as process:
+        server = Server2(f"http://127.0.0.1:{port}", request.param)
+        try:
+            wait_for(
+                lambda: process.poll() is None and server.executions() is not None,
+                seconds=30,
+                what="the MCP SDK 2.x server",
+            )
+        except AssertionError:
+            process.kill()
+            raise AssertionError(process.communicate()[1].decode()) from None
+        yield server
+        process.terminate()
+        process.wait(10)
+
+
+def sessions(url: str, *calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run the SDK 2.x client: each list of calls in a new ``Client`` on ``url``."""
+    plan = json.dumps({"url": url, "sessions": list(calls)})
+    command = [str(sdk2_python()), str(SCRIPTS / "client.py")]
+    ran = subprocess.run(command, input=plan.encode(), capture_output=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr.decode()
+    answers: list[dict[str, Any]] = json.loads(ran.stdout)
+    assert [answer["protocol_version"] for answer in answers] == [REVISION] * len(calls)
+    return answers
+
+
+def charge(who: str, cents: int, key: str) -> dict[str, Any]:
+    return {"tool": "charge", "arguments": {"account": who, "cents": cents}, "key": key}
+
+
+def text(call: dict[str, Any]) -> str:
+    return str(call["result"]["content"][0]["text"])
+
+
+def account() -> str:
+    return f"acct-{time.monotonic_ns()}"
+
+
+def test_the_2026_revision_is_negotiated_through_the_proxy(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """The SDK 2.x client, through the proxy, speaks 2026-07-28 with the server
+    (``sessions`` asserts the version each ``Client`` negotiated)."""
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    [answer] = sessions(proxy.url + "/mcp", [charge(who, 1, new_key({"account": who, "cents": 1}))])
+    assert answer["protocol_version"] == REVISION
+    assert text(answer["results"][0]) == f"charged 1 to {who} (#1)"
+
+
+def test_a_call_sent_again_from_a_new_session_is_executed_once(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    key = new_key({"account": who, "cents": 250})
+
+    first, again = sessions(proxy.url + "/mcp", [charge(who, 250, key)], [charge(who, 250, key)])
+
+    assert server2.executions()[who] == 1
+    assert again["results"][0]["result"] == first["results"][0]["result"]
+    assert text(first["results"][0]) == f"charged 250 to {who} (#1)"
+    # Progress comes over SSE only, to the first execution's caller; the replay has none.
+    assert first["results"][0]["progress"] == ([1.0] if server2.form == "sse" else [])
+    assert again["results"][0]["progress"] == []
+
+
+def test_other_arguments_under_the_same_step_are_a_new_execution(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    plan = f"plan-{who}"
+    calls = [
+        charge(who, cents, new_key({"account": who, "cents": cents}, step=3, plan=plan))
+        for cents in (10, 20, 20)
+    ]
+
+    [answer] = sessions(proxy.url + "/mcp", calls)
+
+    assert [text(call) for call in answer["results"]] == [
+        f"charged 10 to {who} (#1)",
+        f"charged 20 to {who} (#2)",
+        f"charged 20 to {who} (#2)",
+    ]
+    assert server2.executions()[who] == 2
+
+
+def test_the_user_is_asked_once_and_the_call_that_brings_the_input_runs_once(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """``close`` needs a confirmation: the server answers the call with an
+    ``InputRequiredResult``, which the proxy passes on and does not record (the key is
+    released); the SDK asks the user and sends the call again with the answer, under the
+    same key: that one runs and is recorded, so a later retry gets its result, and the user
+    is not asked again."""
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    close = {"tool": "close", "arguments": {"account": who}, "key": new_key({"account": who})}
+
+    first, again = sessions(proxy.url + "/mcp", [close], [close])
+
+    assert first["asked"] == [f"Close {who}?"]
+    assert again["asked"] == []
+    assert text(first["results"][0]) == f"closed {who} (#1)"
+    assert again["results"][0]["result"] == first["results"][0]["result"]
+    assert server2.executions()[f"close:{who}"] == 1
+
+
+def test_without_the_sdk2_venv_the_tests_fail_and_name_scripts_install(tmp_path: Path) -> None:
+    with pytest.raises(pytest.fail.Exception, match="run scripts/install"):
+        sdk2_python(tmp_path / ".venv-mcp2")
