@@ -36,8 +36,7 @@ def sdk2_python(venv: Path = VENV) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         pytest.fail(
-            f"{venv} (the MCP SDK 2.x, for the 2026-07-28 tests) is missing: "
-            "run scripts/install",
+            f"{venv} (the MCP SDK 2.x, for the 2026-07-28 tests) is missing: run scripts/install",
             pytrace=False,
         )
     return python

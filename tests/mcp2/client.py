@@ -5,10 +5,10 @@
 
 Each session is a new ``Client`` (a new connection, ``mode="auto"``: it negotiates the
 newest revision both sides speak); each call sends its key in
-``params._meta.idempotencyKey`` and takes progress notifications (the ones it got are
-printed: they come only over SSE, from a first execution). An elicitation is answered ``{"sure": true}`` and
+``params._meta.idempotencyKey`` and takes progress notifications (they come only over
+SSE, to a first execution's caller). An elicitation is answered ``{"sure": true}`` and
 counted. Printed: per session, the negotiated version, the elicitations, each call's
-result (or its JSON-RPC error).
+result and progress (or its JSON-RPC error).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 from mcp import Client, MCPError, types
 from mcp.client.session import ClientRequestContext
@@ -34,22 +34,28 @@ async def run_session(url: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     async with Client(url, elicitation_callback=elicit) as client:
         for call in calls:
-            meta = {"idempotencyKey": call["key"]} if "key" in call else None
-            progress: list[float] = []
-
-            async def report(done: float, total: float | None, message: str | None) -> None:
-                progress.append(done)
-
-            try:
-                result = await client.call_tool(
-                    call["tool"], call["arguments"], progress_callback=report, meta=meta
-                )
-            except MCPError as exc:
-                results.append({"error": {"code": exc.code, "message": str(exc)}})
-                continue
-            answer = result.model_dump(mode="json", by_alias=True, exclude_none=True)
-            results.append({"result": answer, "progress": progress})
+            results.append(await run_call(client, call))
         return {"protocol_version": client.protocol_version, "asked": asked, "results": results}
+
+
+async def run_call(client: Client, call: dict[str, Any]) -> dict[str, Any]:
+    meta: types.RequestParamsMeta | None = None
+    if "key" in call:
+        # An open TypedDict (PEP 728 extra_items), which mypy does not read yet.
+        meta = cast(types.RequestParamsMeta, {"idempotencyKey": call["key"]})
+    seen: list[float] = []
+
+    async def report(progress: float, total: float | None, message: str | None) -> None:
+        seen.append(progress)
+
+    try:
+        result = await client.call_tool(
+            call["tool"], call["arguments"], progress_callback=report, meta=meta
+        )
+    except MCPError as exc:
+        return {"error": {"code": exc.code, "message": str(exc)}}
+    answer = result.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return {"result": answer, "progress": seen}
 
 
 async def main() -> None:

@@ -4,8 +4,9 @@ tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has m
     server.py PORT json|sse
 
 ``charge`` counts its side effects per account, after a progress notification (which
-makes an SSE-mode server answer with an SSE stream; without one it answers JSON); ``close`` asks the user to confirm
-(an elicitation: an ``InputRequiredResult`` at 2026-07-28) before it counts. The counts
+makes an SSE-mode server answer with an SSE stream; without one it answers JSON);
+``close`` asks the user to confirm (an elicitation: an ``InputRequiredResult`` at
+2026-07-28) before it counts. The counts
 are at ``GET /executions``, read by the test directly (not through the proxy).
 """
 
@@ -53,7 +54,7 @@ def close(account: str, answer: Annotated[Confirmation, Resolve(confirm)]) -> st
     return f"closed {account} (#{executions[f'close:{account}']})"
 
 
-@server.custom_route("/executions", methods=["GET"])
+@server.custom_route("/executions", methods=["GET"])  # type: ignore[untyped-decorator]
 async def counts(request: Request) -> Response:
     """The side effects so far, per account (``close:<account>`` for closes)."""
     return JSONResponse(dict(executions))
