@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy import mcp
 from tests.conftest import ProxyFactory, new_key
 from tests.servers import ROOT, free_port, wait_for
 from tests.test_mcp import mcp_route
@@ -166,6 +167,40 @@ def test_the_user_is_asked_once_and_the_call_that_brings_the_input_runs_once(
     assert text(first["results"][0]) == f"closed {who} (#1)"
     assert again["results"][0]["result"] == first["results"][0]["result"]
     assert server2.executions()[f"close:{who}"] == 1
+
+
+def test_a_client_that_times_out_gets_in_progress_then_the_replay(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """At 2026-07-28 a client cancels a request by closing its response stream (the
+    SDK's client does on its read timeout; its server in SSE mode then cancels the tool,
+    which without the proxy never completes): the proxy must not pass that on for a
+    guarded call. The call runs on, the retry while it runs is told it is in progress,
+    and the retry after it ended gets its result."""
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    hold = {"tool": "hold", "arguments": {"account": who}, "key": new_key({"account": who})}
+
+    gave_up, busy = sessions(proxy.url + "/mcp", [{**hold, "timeout": 0.5}], [hold])
+    assert "error" in gave_up["results"][0]
+    assert busy["results"][0]["error"]["code"] == mcp.IN_PROGRESS
+    httpx.post(f"{server2.url}/open", params={"account": who})
+    wait_for(lambda: server2.executions().get(f"hold:{who}") == 1, what="the held call to end")
+    replayed = until_recorded(proxy.url + "/mcp", hold)
+
+    assert text(replayed) == f"held {who} (#1)"
+    assert server2.executions()[f"hold:{who}"] == 1
+
+
+def until_recorded(url: str, call: dict[str, Any], attempts: int = 20) -> dict[str, Any]:
+    """``call``'s answer once it is no longer in progress (its tool has answered; the
+    recording takes a moment more)."""
+    for _ in range(attempts):
+        [answer] = sessions(url, [call])
+        result: dict[str, Any] = answer["results"][0]
+        if result.get("error", {}).get("code") != mcp.IN_PROGRESS:
+            return result
+    raise AssertionError(f"still in progress after {attempts} attempts")
 
 
 def test_without_the_sdk2_venv_the_tests_fail_and_name_scripts_install(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ Each session is a new ``Client`` (a new connection, ``mode="auto"``: it negotiat
 newest revision both sides speak); each call sends its key in
 ``params._meta.idempotencyKey`` and takes progress notifications (they come only over
 SSE, to a first execution's caller). An elicitation is answered ``{"sure": true}`` and
-counted. Printed: per session, the negotiated version, the elicitations, each call's
-result and progress (or its JSON-RPC error).
+counted. A call's ``timeout`` is its read timeout, in seconds. Printed: per session, the
+negotiated version, the elicitations, each call's result and progress (or its error).
 """
 
 from __future__ import annotations
@@ -50,7 +50,11 @@ async def run_call(client: Client, call: dict[str, Any]) -> dict[str, Any]:
 
     try:
         result = await client.call_tool(
-            call["tool"], call["arguments"], progress_callback=report, meta=meta
+            call["tool"],
+            call["arguments"],
+            read_timeout_seconds=call.get("timeout"),
+            progress_callback=report,
+            meta=meta,
         )
     except MCPError as exc:
         return {"error": {"code": exc.code, "message": str(exc)}}

@@ -6,14 +6,16 @@ tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has m
 ``charge`` counts its side effects per account, after a progress notification (which
 makes an SSE-mode server answer with an SSE stream; without one it answers JSON);
 ``close`` asks the user to confirm (an elicitation: an ``InputRequiredResult`` at
-2026-07-28) before it counts. The counts
+2026-07-28) before it counts; ``hold`` waits until ``POST /open?account=...``, then
+counts (``hold:<account>``). The counts
 are at ``GET /executions``, read by the test directly (not through the proxy).
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Annotated
 
 import uvicorn
@@ -23,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 executions: Counter[str] = Counter()
+gates: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 server = MCPServer("billing-2026", log_level="WARNING")
 
 
@@ -52,6 +55,22 @@ def close(account: str, answer: Annotated[Confirmation, Resolve(confirm)]) -> st
         return f"kept {account}"
     executions[f"close:{account}"] += 1
     return f"closed {account} (#{executions[f'close:{account}']})"
+
+
+@server.tool()
+async def hold(account: str) -> str:
+    """Waits for its gate to open, then acts (counted)."""
+    executions[f"running:{account}"] += 1
+    await gates[account].wait()
+    executions[f"hold:{account}"] += 1
+    return f"held {account} (#{executions[f'hold:{account}']})"
+
+
+@server.custom_route("/open", methods=["POST"])  # type: ignore[untyped-decorator]
+async def open_gate(request: Request) -> Response:
+    """Lets the ``hold`` calls of ``?account=`` go on."""
+    gates[request.query_params["account"]].set()
+    return Response(status_code=204)
 
 
 @server.custom_route("/executions", methods=["GET"])  # type: ignore[untyped-decorator]
