@@ -169,6 +169,26 @@ def test_the_user_is_asked_once_and_the_call_that_brings_the_input_runs_once(
     assert server2.executions()[f"close:{who}"] == 1
 
 
+def test_annotations_are_learnt_from_a_2026_tools_list(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """``guard: annotated``: once a 2026-07-28 ``tools/list`` answer has passed, the
+    read-only tool is not guarded (no key needed), the others still are."""
+    proxy = make_proxy(mcp_route(server2.url, guard="annotated", required=True))
+    who = account()
+    read = {"tool": "balance", "arguments": {"account": who}}
+    write = {"tool": "charge", "arguments": {"account": who, "cents": 1}}
+
+    [answer] = sessions(proxy.url + "/mcp", [{"list": True}, read, read, write])
+
+    listed, first, again, refused = answer["results"]
+    assert {"balance", "charge"} <= set(listed["tools"])
+    assert text(first) == text(again) == f"{who}: 0 charges"
+    assert server2.executions()[f"balance:{who}"] == 2
+    assert refused["error"]["code"] == mcp.KEY_MISSING
+    assert who not in server2.executions()
+
+
 def test_a_client_that_times_out_gets_in_progress_then_the_replay(
     make_proxy: ProxyFactory, server2: Server2
 ) -> None:

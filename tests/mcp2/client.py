@@ -7,8 +7,9 @@ Each session is a new ``Client`` (a new connection, ``mode="auto"``: it negotiat
 newest revision both sides speak); each call sends its key in
 ``params._meta.idempotencyKey`` and takes progress notifications (they come only over
 SSE, to a first execution's caller). An elicitation is answered ``{"sure": true}`` and
-counted. A call's ``timeout`` is its read timeout, in seconds. Printed: per session, the
-negotiated version, the elicitations, each call's result and progress (or its error).
+counted. A call's ``timeout`` is its read timeout, in seconds; ``{"list": true}`` in
+place of a call lists the tools. Printed: per session, the negotiated version, the
+elicitations, each call's result and progress (or its error), or the tools listed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ async def run_session(url: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_call(client: Client, call: dict[str, Any]) -> dict[str, Any]:
+    if call.get("list"):
+        listed = await client.list_tools()
+        return {"tools": [tool.name for tool in listed.tools]}
     meta: types.RequestParamsMeta | None = None
     if "key" in call:
         # An open TypedDict (PEP 728 extra_items), which mypy does not read yet.

@@ -7,7 +7,7 @@ tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has m
 makes an SSE-mode server answer with an SSE stream; without one it answers JSON);
 ``close`` asks the user to confirm (an elicitation: an ``InputRequiredResult`` at
 2026-07-28) before it counts; ``hold`` waits until ``POST /open?account=...``, then
-counts (``hold:<account>``). The counts
+counts (``hold:<account>``); ``balance`` is annotated read-only. The counts
 are at ``GET /executions``, read by the test directly (not through the proxy).
 """
 
@@ -20,6 +20,7 @@ from typing import Annotated
 
 import uvicorn
 from mcp.server.mcpserver import Context, Elicit, MCPServer, Resolve
+from mcp.types import ToolAnnotations
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -55,6 +56,13 @@ def close(account: str, answer: Annotated[Confirmation, Resolve(confirm)]) -> st
         return f"kept {account}"
     executions[f"close:{account}"] += 1
     return f"closed {account} (#{executions[f'close:{account}']})"
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+def balance(account: str) -> str:
+    """Read a balance (no side effect, but counted, to see each call that reached it)."""
+    executions[f"balance:{account}"] += 1
+    return f"{account}: {executions[account]} charges"
 
 
 @server.tool()
