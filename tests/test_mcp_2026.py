@@ -167,6 +167,10 @@ def test_the_user_is_asked_once_and_the_call_that_brings_the_input_runs_once(
     assert text(first["results"][0]) == f"closed {who} (#1)"
     assert again["results"][0]["result"] == first["results"][0]["result"]
     assert server2.executions()[f"close:{who}"] == 1
+    # Over SSE each round's progress reached the first caller (the InputRequiredResult
+    # came on an SSE stream too); the replay has none.
+    assert first["results"][0]["progress"] == ([0.0, 0.0] if server2.form == "sse" else [])
+    assert again["results"][0]["progress"] == []
 
 
 def test_annotations_are_learnt_from_a_2026_tools_list(

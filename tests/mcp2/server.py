@@ -36,8 +36,10 @@ class Confirmation(BaseModel):
     sure: bool
 
 
-def confirm(account: str) -> Elicit[Confirmation]:
-    """The question ``close`` needs answered before it acts."""
+async def confirm(account: str, ctx: Context) -> Elicit[Confirmation]:
+    """The question ``close`` needs answered before it acts, after a progress
+    notification (so that in SSE mode the ``InputRequiredResult`` comes over SSE too)."""
+    await ctx.report_progress(0, 1, "asking")
     return Elicit(f"Close {account}?", Confirmation)
 
 
