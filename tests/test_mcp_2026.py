@@ -127,6 +127,19 @@ def test_a_call_sent_again_from_a_new_session_is_executed_once(
     assert again["results"][0]["progress"] == []
 
 
+def test_an_error_result_is_replayed(make_proxy: ProxyFactory, server2: Server2) -> None:
+    proxy = make_proxy(mcp_route(server2.url))
+    who = account()
+    refund = {"tool": "refund", "arguments": {"account": who}, "key": new_key({"account": who})}
+
+    first, again = sessions(proxy.url + "/mcp", [refund], [refund])
+
+    assert first["results"][0]["result"]["isError"] is True
+    assert again["results"][0]["result"] == first["results"][0]["result"]
+    assert "refund #1 refused" in text(first["results"][0])
+    assert server2.executions()[f"refund:{who}"] == 1
+
+
 def test_other_arguments_under_the_same_step_are_a_new_execution(
     make_proxy: ProxyFactory, server2: Server2
 ) -> None:

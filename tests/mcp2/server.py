@@ -7,8 +7,9 @@ tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has m
 makes an SSE-mode server answer with an SSE stream; without one it answers JSON);
 ``close`` asks the user to confirm (an elicitation: an ``InputRequiredResult`` at
 2026-07-28) before it counts; ``hold`` waits until ``POST /open?account=...``, then
-counts (``hold:<account>``); ``balance`` is annotated read-only. The counts
-are at ``GET /executions``, read by the test directly (not through the proxy).
+counts (``hold:<account>``); ``refund`` fails (``isError``) after counting; ``balance``
+is annotated read-only. The counts are at ``GET /executions``, read by the test
+directly (not through the proxy).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Annotated
 
 import uvicorn
 from mcp.server.mcpserver import Context, Elicit, MCPServer, Resolve
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -58,6 +60,13 @@ def close(account: str, answer: Annotated[Confirmation, Resolve(confirm)]) -> st
         return f"kept {account}"
     executions[f"close:{account}"] += 1
     return f"closed {account} (#{executions[f'close:{account}']})"
+
+
+@server.tool()
+def refund(account: str) -> str:
+    """Always fails (an ``isError`` result), after counting."""
+    executions[f"refund:{account}"] += 1
+    raise ToolError(f"refund #{executions[f'refund:{account}']} refused")
 
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
