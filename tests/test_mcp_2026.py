@@ -56,23 +56,26 @@ class Server2:
 
 
 @pytest.fixture(scope="module", params=["json", "sse"])
-def server2(request: pytest.FixtureRequest) -> Iterator[Server2]:
+def server2(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server2]:
     port = free_port()
     command = [str(sdk2_python()), str(SCRIPTS / "server.py"), str(port), request.param]
-    with subprocess.Popen(command, stderr=subprocess.PIPE) as process:
-        server = Server2(f"http://127.0.0.1:{port}", request.param)
+    log = tmp_path_factory.mktemp("mcp2") / "server.log"
+    server = Server2(f"http://127.0.0.1:{port}", request.param)
+    with log.open("wb") as output, subprocess.Popen(command, stderr=output) as process:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(f"the MCP SDK 2.x server exited: {log.read_text()}")
+            return server.executions() is not None
+
         try:
-            wait_for(
-                lambda: process.poll() is None and server.executions() is not None,
-                seconds=30,
-                what="the MCP SDK 2.x server",
-            )
-        except AssertionError:
-            process.kill()
-            raise AssertionError(process.communicate()[1].decode()) from None
-        yield server
-        process.terminate()
-        process.wait(10)
+            wait_for(ready, seconds=30, what=f"the MCP SDK 2.x server; log: {log}")
+            yield server
+        finally:
+            process.terminate()
+            process.wait(10)
 
 
 def sessions(url: str, *calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
