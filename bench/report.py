@@ -584,6 +584,19 @@ Note 1: 500 operations submitted at once, 32 workers, a tool answering at once.
 Measured once on the 2-core development machine and not rerun by this script; the code's
 docstrings give the reasons, these are the figures.
 
+- **Before and after the long calls, the response cache's fixes and the MCP work**
+  (`bench/run --rounds 1`, 2026-12-01 at about 13:55 UTC, one after the other on the same
+  quiet 2-core machine, which measured slower that day than on 2026-12-01 11:35: nginx's
+  hop 21,900 to 26,400 req/s, the minimal aiohttp forwarder 0.09 to 0.13 of it). The
+  session's starting commit `207f8b9` against this one, req/s ratios to nginx at 32
+  callers: first executions 0.058 against **0.078**, replays 0.176 against **0.205**,
+  pass-through 0.111 against **0.109**; first execution at 1 caller +1.42 ms against
+  +1.17 ms over direct; 2.01 and 1.00 Redis round trips per first execution and replay in
+  both. Routes without the new capabilities did not get slower; the targets the generated
+  table marks NOT MET were not met by the starting commit on that machine either.
+  `bench/hot_path.py`, alternating runs of both commits: pass-through 46.5 to 49.7 µs
+  against 46.7 to 51.9, first executions 122.7 to 147.1 against 129.2 to 142.0, replays
+  83.3 to 88.4 against 85.6 to 91.8 (within the machine's noise).
 - **Redis auto-pipelining** (`proxy/store/redis.py`, `Coalescer`): with 32 concurrent
   callers, about 10 µs of the proxy's CPU per Redis command, against about 26 µs with
   redis-py's pipelines and 46 µs with one redis-py command per call.
