@@ -427,7 +427,7 @@ class RouteJobs:
         try:
             body = await self._body(request)
         except ProxyError as exc:  # the stored body cannot be had now: nothing is sent
-            await self._refused(job, op.key, worker, QUEUED, job.attempts + 1, _problem(exc), 0)
+            await self._refused(job, op.key, worker, QUEUED, job.attempts + 1, _problem(exc), None)
             return
         loop = asyncio.get_running_loop()
         renewed_at = loop.time()
