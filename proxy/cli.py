@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +216,14 @@ async def _list(args: argparse.Namespace, store: Store) -> dict[str, Any]:
 
 
 def cmd_records(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    return _print_result(_records(args, load_config(args.config)))
+
+
+def _print_result(command: Coroutine[Any, Any, Any]) -> int:
+    """Run a store command: its JSON result on stdout, or its error on stderr (exit 2 for
+    a bad flag, named; 1 for what cannot be done)."""
     try:
-        result = asyncio.run(_records(args, config))
+        result = asyncio.run(command)
     except InvalidField as exc:
         return _fail([exc.detail])
     except ProxyError as exc:
@@ -310,15 +315,7 @@ def cmd_operations(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if not any(r.runs_jobs() for r in config.routes):
         return _fail(["no route of this configuration has async: there are no operations"])
-    try:
-        result = asyncio.run(_operations(args, config))
-    except InvalidField as exc:
-        return _fail([exc.detail])
-    except ProxyError as exc:
-        print(f"error: {exc.detail}", file=sys.stderr)
-        return EXIT_FAILED
-    print(json.dumps(result, indent=2))
-    return 0
+    return _print_result(_operations(args, config))
 
 
 def _add_operations(sub: Any) -> None:
