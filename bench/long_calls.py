@@ -69,27 +69,20 @@ def serve_proxy(port: int, upstream: str, store: str) -> None:
     from proxy.config import parse_config
 
     logs.configure("warning")
-    routes = [
-        {
-            "name": "long",
-            "path_prefix": "/long",
+
+    def long_calls(name: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "path_prefix": f"/{name}",
             "upstream": upstream,
             "strip_prefix": True,
             "idempotency": {"lock_ttl": "30s", "result_ttl": "1h"},
             "async": {"mode": "prefer", "visibility": "10s"},
             "workers": {"concurrency": 32},
-        },
-        {
-            "name": "fast",
-            "path_prefix": "/fast",
-            "upstream": upstream,
-            "strip_prefix": True,
-            "idempotency": {"lock_ttl": "30s", "result_ttl": "1h"},
-            "async": {"mode": "prefer", "visibility": "10s"},
-            "workers": {"concurrency": 32},
-        },
-        {"name": "plain", "path_prefix": "/plain", "upstream": upstream, "strip_prefix": True},
-    ]
+        }
+
+    plain = {"name": "plain", "path_prefix": "/plain", "upstream": upstream, "strip_prefix": True}
+    routes = [long_calls("long"), long_calls("fast"), plain]
     state = tempfile.mkdtemp()
     config = parse_config({"store": {"url": store}, "routes": routes, "state_dir": state})
     uvicorn.run(create_app(config), host="127.0.0.1", port=port, log_level="warning")

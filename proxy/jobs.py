@@ -522,27 +522,19 @@ class RouteJobs:
         claimed), or, its attempts spent (or refused for good), end it DEAD and release
         its key."""
         owner = JOB_OWNER + job.id
-        if attempts >= self.config.attempts or final:
+        dead = attempts >= self.config.attempts or final
+        delay = 0.0
+        if dead:
             await self.store.release(key, owner)
-            await self.queue.move(
-                job.id,
-                expect,
-                JobState.DEAD,
-                worker=worker,
-                attempts=attempts,
-                sent=False,
-                error=error,
-            )
-            self.hub.poke(job.id)
-            self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
-            return
-        delay = self._backoff(attempts, told)
-        ttl = self.guard.job_record_ttl(self.config.max_queued)
-        await self.store.renew(key, owner, self.config.max_queued, ttl)
+        else:
+            delay = self._backoff(attempts, told)
+            ttl = self.guard.job_record_ttl(self.config.max_queued)
+            await self.store.renew(key, owner, self.config.max_queued, ttl)
+        state = JobState.DEAD if dead else JobState.QUEUED
         await self.queue.move(
             job.id,
             expect,
-            JobState.QUEUED,
+            state,
             worker=worker,
             attempts=attempts,
             sent=False,
@@ -550,9 +542,12 @@ class RouteJobs:
             due=delay,
         )
         self.hub.poke(job.id)
-        self.log.info(
-            "job_retried", route=self.route.name, job=job.id, attempt=attempts, delay=delay
-        )
+        if dead:
+            self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
+        else:
+            self.log.info(
+                "job_retried", route=self.route.name, job=job.id, attempt=attempts, delay=delay
+            )
 
     def _backoff(self, attempts: int, told: str | int | None) -> float:
         """Exponential with jitter (half fixed, half random), or the tool's Retry-After

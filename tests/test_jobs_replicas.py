@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,35 +103,38 @@ def test_a_replica_killed_with_one_call_in_flight_and_one_queued(
         b.stop()
 
 
+@contextmanager
+def flaky_replicas(
+    redis: RedisServer, tmp_path: Path, failures: int, **async_: Any
+) -> Iterator[tuple[FlakyTool, list[ProxyProcess]]]:
+    """Two replicas in front of a tool answering 503 ``failures`` times (always: -1)."""
+    tool = FlakyTool(failures)
+    with running(ThreadServer(tool.app)) as server:
+        spec = config(redis, server.url)
+        spec["routes"][0]["async"].update(async_)
+        proxies = [ProxyProcess(spec, tmp_path).start() for _ in range(2)]
+        try:
+            yield tool, proxies
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+
+
 def test_a_tool_answering_503_twice_then_200_completes_across_replicas(
     redis: RedisServer, tmp_path: Path
 ) -> None:
-    tool = FlakyTool(2)
-    with running(ThreadServer(tool.app)) as server:
-        proxies = [ProxyProcess(config(redis, server.url), tmp_path).start() for _ in range(2)]
-        try:
-            key = new_key(BODY)
-            location = post(proxies[0].url, key=key, **ASYNC).headers["location"]
-            done = until(proxies[1].url, location, "completed", "dead", "failed")
-            assert done["state"] == "completed" and done["attempts"] == 3
-            assert tool.calls[key] == 3
-        finally:
-            for proxy in proxies:
-                proxy.stop()
+    with flaky_replicas(redis, tmp_path, 2) as (tool, (a, b)):
+        key = new_key(BODY)
+        location = post(a.url, key=key, **ASYNC).headers["location"]
+        done = until(b.url, location, "completed", "dead", "failed")
+        assert done["state"] == "completed" and done["attempts"] == 3
+        assert tool.calls[key] == 3
 
 
 def test_a_tool_that_always_answers_503_ends_dead(redis: RedisServer, tmp_path: Path) -> None:
-    tool = FlakyTool(-1)
-    with running(ThreadServer(tool.app)) as server:
-        spec = config(redis, server.url)
-        spec["routes"][0]["async"]["attempts"] = 3
-        proxies = [ProxyProcess(spec, tmp_path).start() for _ in range(2)]
-        try:
-            key = new_key(BODY)
-            location = post(proxies[0].url, key=key, **ASYNC).headers["location"]
-            dead = until(proxies[1].url, location, "dead", "completed", "failed")
-            assert dead["state"] == "dead" and dead["attempts"] == 3
-            assert tool.calls[key] == 3
-        finally:
-            for proxy in proxies:
-                proxy.stop()
+    with flaky_replicas(redis, tmp_path, -1, attempts=3) as (tool, (a, b)):
+        key = new_key(BODY)
+        location = post(a.url, key=key, **ASYNC).headers["location"]
+        dead = until(b.url, location, "dead", "completed", "failed")
+        assert dead["state"] == "dead" and dead["attempts"] == 3
+        assert tool.calls[key] == 3

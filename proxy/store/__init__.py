@@ -4,6 +4,8 @@ their rate buckets, resource locks and job queues behind others (``buckets.Bucke
 
 from __future__ import annotations
 
+from typing import Any
+
 from proxy.store.base import Claim, Record, RecordKey, State, Store
 from proxy.store.buckets import Buckets
 from proxy.store.locks import Locks
@@ -45,28 +47,28 @@ def make_store(url: str) -> Store:
     raise ValueError(f"unknown store URL scheme: {scheme!r}")
 
 
+def _beside(store: Store, part: str, what: str) -> Any:
+    """The ``part`` (``buckets``, ``locks``, ``queue``) that lives beside ``store``'s records,
+    over the same connection and clock; ``TypeError`` if the backend keeps none."""
+    factory = getattr(store, part, None)
+    if factory is None:
+        raise TypeError(f"{type(store).__name__} keeps no {what}")
+    return factory()
+
+
 def make_buckets(store: Store) -> Buckets:
     """The rate buckets that live beside ``store``'s records (same connection and clock)."""
-    factory = getattr(store, "buckets", None)
-    if factory is None:
-        raise TypeError(f"{type(store).__name__} keeps no rate buckets")
-    buckets: Buckets = factory()
+    buckets: Buckets = _beside(store, "buckets", "rate buckets")
     return buckets
 
 
 def make_locks(store: Store) -> Locks:
     """The resource locks that live beside ``store``'s records (same connection and clock)."""
-    factory = getattr(store, "locks", None)
-    if factory is None:
-        raise TypeError(f"{type(store).__name__} keeps no resource locks")
-    locks: Locks = factory()
+    locks: Locks = _beside(store, "locks", "resource locks")
     return locks
 
 
 def make_queue(store: Store) -> Queue:
     """The job queue that lives beside ``store``'s records (same connection and clock)."""
-    factory = getattr(store, "queue", None)
-    if factory is None:
-        raise TypeError(f"{type(store).__name__} keeps no job queue")
-    queue: Queue = factory()
+    queue: Queue = _beside(store, "queue", "job queue")
     return queue
