@@ -51,7 +51,7 @@ from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.operation import identify
 from proxy.operations import operation_routes
-from proxy.policies import Chain, Context, Forward, build_chain
+from proxy.policies import Call, Chain, Context, Forward, build_chain
 from proxy.problems import (
     handle_http_exception,
     handle_proxy_error,
@@ -266,6 +266,8 @@ class Proxy:
             exchange = McpExchange(self, request, route, principal, identity)
             handled = await view.handle(request, exchange, principal)
             trace.outcome, trace.key = handled.outcome, handled.key
+            if exchange.cached and handled.outcome is Outcome.EXECUTED:
+                trace.outcome = Outcome.CACHED
             return exchange.decorate(handled.response)
         guard = self.guards.get(route.name)
         if guard is not None and not guard.guards(request.method):
@@ -477,7 +479,7 @@ class McpExchange:
         return read_body(self.request, self.proxy.max_body)
 
     def forward(
-        self, body: bytes, *, once: bool, policies: bool = False
+        self, body: bytes, *, once: bool, policies: bool = False, call: Call | None = None
     ) -> Awaitable[UpstreamResponse]:
         proxy, request, route = self.proxy, self.request, self.route
 
@@ -489,7 +491,7 @@ class McpExchange:
         chain = proxy.chains.get(route.name) if policies else None
         if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
-        self.context = Context(route, request, body, self.principal)
+        self.context = Context(route, request, body, self.principal, call=call)
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
@@ -506,6 +508,11 @@ class McpExchange:
         if self.route.reconcile is None:
             return None
         return self.proxy._lookup(self.request, self.route, self.identity)
+
+    @property
+    def cached(self) -> bool:
+        """True if the cache answered the call (the tool not called for it)."""
+        return self.context is not None and self.context.cached
 
     def decorate(self, response: Response) -> Response:
         return response if self.context is None else Chain.decorate(self.context, response)

@@ -491,6 +491,14 @@ class CacheScope(StrEnum):
     """Every caller of the route gets the same cached answer for the same request."""
 
 
+class CachedTools(StrEnum):
+    """Which MCP tools' ``tools/call`` answers the cache keeps (``protocol: mcp`` routes)."""
+
+    ANNOTATED = "annotated"
+    """Every tool whose ``tools/list`` entry says ``readOnlyHint: true`` (an unknown tool
+    is not cached)."""
+
+
 class CacheConfig(_Strict):
     """A response cache for a tool whose answer depends only on the request."""
 
@@ -502,6 +510,24 @@ class CacheConfig(_Strict):
     """How long identical misses wait for the one call to the tool; None: as long as that
     call can take (``RouteConfig.cache_wait``). Past it, a waiter calls the tool itself."""
     max_bytes: int = Field(default=DEFAULT_CACHE_MAX_BYTES, ge=0)
+    tools: CachedTools | tuple[str, ...] | None = None
+    """On ``protocol: mcp`` routes, the tools whose ``tools/call`` is cached (None:
+    ``annotated``); HTTP routes cache by ``methods`` and ``statuses`` instead."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names(
+        cls, tools: CachedTools | tuple[str, ...] | None
+    ) -> CachedTools | tuple[str, ...] | None:
+        if isinstance(tools, tuple) and (not tools or not all(tools)):
+            raise ValueError("annotated, or a non-empty list of tool names")
+        return tools
+
+    def cached_tools(self) -> CachedTools | frozenset[str]:
+        """``tools`` on an MCP route: ``annotated``, or the names."""
+        if self.tools is None or isinstance(self.tools, CachedTools):
+            return CachedTools.ANNOTATED
+        return frozenset(self.tools)
 
     @field_validator("methods")
     @classmethod
@@ -712,7 +738,15 @@ class RouteConfig(_Strict):
                 "shares the cached answers between all callers"
             )
         if self.protocol is RouteProtocol.MCP:
-            raise ValueError("cache: not on protocol: mcp routes (an answer holds its call's id)")
+            http_only = sorted({"methods", "statuses"} & cache.model_fields_set)
+            if http_only:
+                raise ValueError(
+                    f"cache.{http_only[0]}: not on protocol: mcp routes (every MCP request is a "
+                    "POST; a tools/call is cached by tool, cache.tools, and only a successful "
+                    "result is kept)"
+                )
+        elif cache.tools is not None:
+            raise ValueError("cache.tools: only on protocol: mcp routes (tools/call answers)")
         if self.versioning is not None:  # the cache is outermost: Versioning never sees a hit
             raise ValueError(
                 "cache and versioning: not on one route (a cached answer carries no ETag, "

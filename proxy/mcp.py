@@ -46,6 +46,7 @@ from starlette.responses import Response, StreamingResponse
 from proxy.asgi import Incoming, RawHeaders, Reply
 from proxy.config import (
     DEFAULT_MAX_ANSWER_BYTES,
+    CachedTools,
     IdempotencyConfig,
     McpConfig,
     McpGuard,
@@ -64,9 +65,10 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import Forward, Guard, Outcome
-from proxy.keys import KeyKind, canonical_json, parse_composite, parse_opaque
+from proxy.keys import Canonicalization, KeyKind, canonical_json, parse_composite, parse_opaque
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
+from proxy.policies import Call
 from proxy.problems import MEDIA_TYPE, problem_body
 from proxy.reconcile import Lookup
 from proxy.replay import REPLAYED_HEADER
@@ -117,10 +119,11 @@ class Exchange(Protocol):
         """The whole request body (within limits.max_body_bytes)."""
 
     def forward(
-        self, body: bytes, *, once: bool, policies: bool = False
+        self, body: bytes, *, once: bool, policies: bool = False, call: Call | None = None
     ) -> Awaitable[UpstreamResponse]:
         """Send the request with ``body``; ``once``: a guarded call, never sent twice;
-        ``policies``: a ``tools/call``, which the route's policies (limits, locks) apply to."""
+        ``policies``: a ``tools/call``, which the route's policies (limits, locks) apply to;
+        ``call``: one the route's cache may answer."""
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
         """The upstream's answer, unchanged."""
@@ -160,6 +163,10 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     meta: dict[str, Any]
+    plain: bool = True
+    """True if its params hold nothing but ``name``, ``arguments`` and ``_meta`` (no
+    ``task``, no 2026-07-28 ``inputResponses`` or ``requestState``): what it asks is its
+    tool and arguments alone."""
 
 
 @dataclass(slots=True)
@@ -192,8 +199,16 @@ class McpView:
         """The route as GET streams are sent: bounded by STREAM_SECONDS."""
         self.annotated = self.config.guard is McpGuard.ANNOTATED
         self.named = frozenset(() if isinstance(self.config.guard, McpGuard) else self.config.guard)
-        self.unguarded: dict[str, bool] = {}
-        """Tool name → True if its annotations say read-only or idempotent (annotated)."""
+        self.cached = None if route.cache is None else route.cache.cached_tools()
+        """The tools whose calls the route's cache answers: annotated, or by name."""
+        self.learns = self.annotated or self.cached is CachedTools.ANNOTATED
+        """True if the tools' annotations are read from the ``tools/list`` answers."""
+        self.hints: dict[str, Hints] = {}
+        """Tool name → what its annotations say (when ``learns``)."""
+        idempotency = route.idempotency
+        self.canonicalization = (
+            Canonicalization.JCS if idempotency is None else idempotency.canonicalization
+        )
         release = self.policy.release_on_status if self.policy is not None else ()
         self._not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
@@ -205,8 +220,25 @@ class McpView:
         if self.guard is None:
             return False
         if self.annotated:
-            return not self.unguarded.get(tool, False)  # an unknown tool is guarded
+            hints = self.hints.get(tool)
+            return hints is None or not (hints.read_only or hints.idempotent)  # unknown: guarded
         return not self.named or tool in self.named
+
+    def caching(self, request: Incoming, call: ToolCall) -> CachedCall | None:
+        """The call as the route's cache sees it, if the cache may answer it: its tool is
+        cached (``annotated``: says ``readOnlyHint``; an unknown tool is not) and it asks
+        nothing but its arguments."""
+        if self.cached is None or not call.plain:
+            return None
+        if isinstance(self.cached, CachedTools):
+            hints = self.hints.get(call.name)
+            if hints is None or not hints.read_only:
+                return None
+        elif call.name not in self.cached:
+            return None
+        digest = hashlib.sha256(canonical_json(call.arguments, self.canonicalization)).hexdigest()
+        accept, session = _header(request, b"accept"), _header(request, _SESSION)
+        return CachedCall(call, revision(request, call), digest, accept, session)
 
     async def handle(self, request: Incoming, exchange: Exchange, principal: str) -> Handled:
         """Pass through, answer a cancellation, or guard a ``tools/call``."""
@@ -230,19 +262,21 @@ class McpView:
             return await self._guarded(request, exchange, principal, session, call, body)
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
-        if self.annotated and _is_request(message, "tools/list"):  # learn the annotations
+        if self.learns and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
-            return await self._unguarded(exchange, call, body)
+            return await self._unguarded(request, exchange, call, body)
         upstream = await exchange.forward(body, once=False)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
-    @staticmethod
-    async def _unguarded(exchange: Exchange, call: ToolCall, body: bytes) -> Handled:
-        """A ``tools/call`` sent on unguarded; a policy's refusal (rate limited, resource
-        locked, ...) is the call's JSON-RPC error."""
+    async def _unguarded(
+        self, request: Incoming, exchange: Exchange, call: ToolCall, body: bytes
+    ) -> Handled:
+        """A ``tools/call`` sent on unguarded (or answered by the cache); a policy's refusal
+        (rate limited, resource locked, ...) is the call's JSON-RPC error."""
+        cached = self.caching(request, call)
         try:
-            upstream = await exchange.forward(body, once=False, policies=True)
+            upstream = await exchange.forward(body, once=False, policies=True, call=cached)
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
@@ -269,10 +303,8 @@ class McpView:
         except ValidationError:
             return
         for tool in listed.tools:
-            hints = tool.annotations
-            safe = hints is not None and bool(hints.readOnlyHint or hints.idempotentHint)
-            if tool.name in self.unguarded or len(self.unguarded) < MAX_KNOWN_TOOLS:
-                self.unguarded[tool.name] = safe
+            if tool.name in self.hints or len(self.hints) < MAX_KNOWN_TOOLS:
+                self.hints[tool.name] = Hints.of(tool.annotations)
 
     async def _guarded(
         self,
@@ -290,12 +322,14 @@ class McpView:
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         if op is None:  # no key, and the route does not require one
-            return await self._unguarded(exchange, call, body)
+            return await self._unguarded(request, exchange, call, body)
 
         progress = Progress() if _wants_sse(accept, True) else None
 
+        cached = self.caching(request, call)
+
         async def forward() -> UpstreamResponse:
-            sent = await exchange.forward(body, once=True, policies=True)
+            sent = await exchange.forward(body, once=True, policies=True, call=cached)
             return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
 
         attempt = self._attempt(op, forward, exchange.lookup())
@@ -319,6 +353,65 @@ class McpView:
             return await self.guard.run(op, forward, lookup)
         except ProxyError as exc:
             return exc
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What a tool's ``tools/list`` annotations say (an absent hint: False)."""
+
+    read_only: bool
+    idempotent: bool
+
+    @classmethod
+    def of(cls, annotations: types.ToolAnnotations | None) -> Hints:
+        if annotations is None:
+            return cls(False, False)
+        return cls(bool(annotations.readOnlyHint), bool(annotations.idempotentHint))
+
+
+@dataclass(frozen=True, slots=True)
+class CachedCall:
+    """A ``tools/call`` as the response cache sees it (``policies.Call``): known by its
+    tool, its arguments' digest and the revision it speaks, not by its envelope; its
+    answer kept as the result alone (progress dropped), and served with this call's
+    ``id``, as JSON or SSE by its Accept (on a tie, the form the tool server used)."""
+
+    call: ToolCall
+    revision: str
+    digest: str
+    accept: str
+    session: str
+
+    def material(self) -> bytes:
+        parts = ("tools/call", self.call.name, self.revision, self.digest)
+        return "\n".join(parts).encode()
+
+    def kept(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes] | None:
+        """The answer's final response, if it is a result to reuse: not a JSON-RPC error,
+        nor an ``isError`` result, a task or an input request."""
+        sse = _content_type(headers) == SSE
+        answer = _final_response(body, SSE if sse else JSON, self.call.id)
+        if not isinstance(answer, types.JSONRPCResponse) or not _reusable(answer.result):
+            return None
+        kept: RawHeaders = [(b"content-type", JSON.encode())]
+        if sse:
+            kept.append((_FORM_HEADER, b"sse"))
+        return kept, answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+
+    def served(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes]:
+        answered_sse = (_FORM_HEADER, b"sse") in headers
+        extra: RawHeaders = [(_SESSION, self.session.encode())] if self.session else []
+        sse = _wants_sse(self.accept, answered_sse)
+        reply = _framed(_with_id(body, self.call.id), sse, extra)
+        framed = [(k, v) for k, v in reply.raw_headers if k != b"content-length"]
+        return framed, bytes(reply.body)
+
+
+def _reusable(result: dict[str, Any]) -> bool:
+    """True for a tool's result that a cache may give again: not ``isError``, not a
+    ``CreateTaskResult`` (a task is one call's), not an ``InputRequiredResult``."""
+    complete = result.get("resultType", "complete") == "complete"
+    return complete and result.get("isError") is not True and "task" not in result
 
 
 Attempt = tuple[Response, Outcome] | ProxyError
@@ -494,7 +587,11 @@ def tool_call(message: types.JSONRPCRequest | types.JSONRPCNotification | None) 
     params = message.params or {}
     meta = params.get("_meta")
     meta = meta if isinstance(meta, dict) else {}
-    return ToolCall(message.id, request.params.name, request.params.arguments or {}, meta)
+    plain = params.keys() <= _PLAIN_PARAMS
+    return ToolCall(message.id, request.params.name, request.params.arguments or {}, meta, plain)
+
+
+_PLAIN_PARAMS = frozenset({"name", "arguments", "_meta"})
 
 
 def identify_call(
@@ -550,6 +647,15 @@ def _header(request: Incoming, name: bytes) -> str:
         if key == name:
             return str(value.decode("latin-1"))
     return ""
+
+
+def revision(request: Incoming, call: ToolCall) -> str:
+    """The MCP revision a (supported) call speaks: its own (2026-07-28 ``_meta``), its
+    ``MCP-Protocol-Version`` header's, or the transport spec's assumption."""
+    declared = call.meta.get(VERSION_META)
+    if isinstance(declared, str):
+        return declared
+    return _header(request, _VERSION) or DEFAULT_PROTOCOL_VERSION
 
 
 def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
@@ -830,12 +936,23 @@ async def render(
     except ValidationError:
         return response
     assert isinstance(answer, types.JSONRPCResponse | types.JSONRPCError)
-    answer = answer.model_copy(update={"id": id})
-    payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+    payload = _as_answer_to(answer, id)
     extra: RawHeaders = [(_SESSION, session.encode())] if session else []
     if replayed:
         extra.append(REPLAYED_HEADER)
     return _framed(payload, _wants_sse(accept, headers.get(_FORM_HEADER) == b"sse"), extra)
+
+
+def _with_id(payload: bytes, id: str | int) -> bytes:
+    """A recorded (or cached) JSON-RPC response as the answer to request ``id``."""
+    answer = types.JSONRPCMessage.model_validate_json(payload).root
+    assert isinstance(answer, types.JSONRPCResponse | types.JSONRPCError)
+    return _as_answer_to(answer, id)
+
+
+def _as_answer_to(answer: types.JSONRPCResponse | types.JSONRPCError, id: str | int) -> bytes:
+    readdressed = answer.model_copy(update={"id": id})
+    return readdressed.model_dump_json(by_alias=True, exclude_none=True).encode()
 
 
 async def _body(response: Response) -> bytes:

@@ -67,8 +67,10 @@ class McpTool:
             return f"exported {account}"
 
         @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-        def balance(account: str) -> str:
-            """Read a balance (no side effect)."""
+        async def balance(account: str, hold: bool = False) -> str:
+            """Read a balance (no side effect); ``hold``: not before ``gate`` opens."""
+            if hold:
+                await anyio.to_thread.run_sync(self.gate.wait, 30)
             self.executions[f"balance:{account}"] += 1
             return f"{account}: {self.executions[account]} charges"
 

@@ -127,8 +127,8 @@ def test_cache_keys_are_checked_each_naming_its_field() -> None:
         assert field in fields, caught.value.problems
     with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache.scope: principal needs"):
         parse_config({"routes": [cached("http://h", scope="principal")]}, env={})
-    mcp = {**cached("http://h"), "protocol": "mcp"}
-    with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache: not on protocol: mcp"):
+    mcp = {**cached("http://h", methods=["POST"]), "protocol": "mcp"}  # cached by tool there
+    with pytest.raises(ConfigError, match=r"routes\[0\]: .*cache.methods: not on protocol: mcp"):
         parse_config({"routes": [mcp]}, env={})
     for methods in (["POST"], ["GET"]):  # a versioned write, or a read a write makes stale
         versioned = {**cached("http://h", methods=methods), "versioning": {"key": "path:0"}}

@@ -49,6 +49,9 @@ class Context:
     """Added to the caller's answer by ``Chain.decorate`` (never recorded or replayed)."""
     cached: bool = False
     """Set by the cache when the answer is a stored one (the tool not called for it)."""
+    call: Call | None = None
+    """On an MCP route, a ``tools/call`` the route caches, as the cache sees it
+    (``mcp.CachedCall``); None otherwise (on HTTP routes the cache sees the request)."""
 
     def send_header(self, name: bytes, value: bytes) -> None:
         """Send ``name: value`` to the tool in place of any the caller sent (e.g. a
@@ -60,6 +63,21 @@ class Context:
     def client_ip(self) -> str:
         client = self.request.scope.get("client")
         return str(client[0]) if client else ""
+
+
+class Call(Protocol):
+    """A JSON-RPC call whose answer the cache keeps by what it asks, not by its bytes (the
+    envelope's ``id`` changes on every retry): an MCP ``tools/call`` of a cached tool."""
+
+    def material(self) -> bytes:
+        """What identifies the call to the cache: the tool, its arguments' digest, ..."""
+
+    def kept(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes] | None:
+        """What is stored of the tool server's answer (``headers``, ``body``: as it was
+        sent, SSE included); None if it is not a result to reuse (an error, ...)."""
+
+    def served(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes]:
+        """A stored answer as this call's answer (its ``id``, the form it accepts)."""
 
 
 class Policy(Protocol):

@@ -36,7 +36,7 @@ from typing import Any
 
 from proxy.asgi import RawHeaders
 from proxy.background import TaskSet
-from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig
+from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, RouteProtocol
 from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
@@ -50,7 +50,7 @@ from proxy.keys import Canonicalization, fingerprint
 from proxy.metrics import Metrics
 from proxy.offload import Offload, Spool
 from proxy.outcome import StoredResponse
-from proxy.policies import Context, Forward
+from proxy.policies import Call, Context, Forward
 from proxy.store import Store
 
 # The fill lock outlives the longest call of the route by this (the answer is stored
@@ -67,6 +67,7 @@ _DIGITS = re.compile(r"[0-9]+")
 FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
 
+SSE = "text/event-stream"
 HEADER = b"cache-status"
 HIT = b"tool-proxy; hit"
 _MARK = b"uncacheable"
@@ -301,7 +302,8 @@ class Cache:
         self.offload = offload
         self.clock = clock
         self.methods = frozenset(config.methods)
-        self.statuses = frozenset(config.statuses)
+        self.mcp = route.protocol is RouteProtocol.MCP
+        self.statuses = frozenset((200,) if self.mcp else config.statuses)  # a result: 200
         self.ttl = config.ttl
         self.per_principal = config.scope is CacheScope.PRINCIPAL
         self.wait = route.cache_wait()
@@ -316,7 +318,10 @@ class Cache:
         self._owners = (f"{secrets.token_hex(8)}.{n}" for n in range(1 << 62))
 
     def wrap(self, context: Context, forward: Forward) -> Forward:
-        if context.request.method not in self.methods:
+        if self.mcp:  # only the tools/call the MCP view says are cached
+            if context.call is None:
+                return forward
+        elif context.request.method not in self.methods:
             return forward
 
         async def cached() -> UpstreamResponse:
@@ -362,12 +367,16 @@ class Cache:
     def key(self, context: Context) -> str:
         """``cache|<route>|<digest>`` of the method, path, query, the body's media type
         (the same bytes as JSON and as text are two requests) and canonical digest, and the
-        principal for ``scope: principal``."""
+        principal for ``scope: principal``; of an MCP call, what it asks (``Call.material``)
+        in place of the request."""
+        who = context.principal.encode() if self.per_principal else b"*"
+        if context.call is not None:
+            material = b"\n".join((who, context.call.material()))
+            return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
         scope = context.request.scope
         content_type = context.request.header(b"content-type")
         body = fingerprint(context.body, content_type, self.canonicalization, self.max_depth)
         media = (content_type or "").split(";", 1)[0].strip().lower()
-        who = context.principal.encode() if self.per_principal else b"*"
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         method = context.request.method.encode()
         parts = (who, method, path, scope["query_string"], media.encode(), body.encode())
@@ -455,17 +464,14 @@ class Cache:
         headers = context.request.scope["headers"]
         if any(vary_digest(headers, name) != wanted for name, wanted in vary):
             return b"vary-miss"
-        body: bytes | AsyncIterator[bytes] = stored.body
-        if stored.ref is not None:
-            try:
-                if self.offload is None:
-                    raise StoredResponseUnavailable("no object store is configured now")
-                body = await self.offload.get(stored.ref)
-                if not isinstance(body, bytes):  # checked as it streams: at its end
-                    body = self._checked(key, value, body)
-            except StoredResponseUnavailable as exc:
-                self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
-                return b"miss"
+        call = context.call
+        body = await self._body(key, value, stored, whole=call is not None)
+        if body is None:
+            return b"miss"
+        if call is not None:  # re-addressed to this call (its id, the form it takes)
+            assert isinstance(body, bytes)
+            headers, body = call.served(stored.headers, body)
+            stored = StoredResponse(stored.status, headers, b"")
         if collapsed:
             self.metrics.cache_decision(self.route, "collapsed")
             context.headers.append((HEADER, status(b"miss", b"collapsed")))
@@ -476,6 +482,25 @@ class Cache:
         answer = Cached(stored, body)
         context.cached = True
         return answer
+
+    async def _body(
+        self, key: str, value: bytes, stored: StoredResponse, *, whole: bool
+    ) -> bytes | AsyncIterator[bytes] | None:
+        """The entry's body, from object storage if it was offloaded (streamed, unless
+        ``whole``); None if it cannot be had (the request is then a miss)."""
+        if stored.ref is None:
+            return stored.body
+        try:
+            if self.offload is None:
+                raise StoredResponseUnavailable("no object store is configured now")
+            body = await self.offload.get(stored.ref)
+            if isinstance(body, bytes):
+                return body
+            checked = self._checked(key, value, body)  # checked as it streams: at its end
+            return b"".join([chunk async for chunk in checked]) if whole else checked
+        except StoredResponseUnavailable as exc:
+            self.log.warning("cached_body_unavailable", route=self.route, error=exc.detail)
+            return None
 
     async def _checked(
         self, key: str, value: bytes, body: AsyncIterator[bytes]
@@ -551,15 +576,18 @@ class Cache:
             if owner:
                 self._give_up(key, owner)
             return upstream
-        self.metrics.cache_decision(self.route, "stored")
-        context.headers.append((HEADER, status(fwd, b"stored")))
+        if context.call is None:
+            self.metrics.cache_decision(self.route, "stored")
+            context.headers.append((HEADER, status(fwd, b"stored")))
+        else:  # told once the answer is read (``_told``): a result is stored, an error not
+            context.headers.append((HEADER, status(fwd)))
         headers = context.request.scope["headers"]
         vary = [(name, vary_digest(headers, name)) for name in _vary(upstream.headers)]
         return Filling(
             upstream,
             self.max_bytes,
             self._spool,
-            lambda body: self._kept(key, owner, upstream, vary, ttl, body),
+            lambda body: self._kept(key, owner, context, fwd, upstream, vary, ttl, body),
             self.tasks,
         )
 
@@ -570,6 +598,8 @@ class Cache:
         if upstream.status not in self.statuses:
             return 0.0, b"status"
         told = directives(_field(upstream.headers, b"cache-control"))
+        if self.mcp and _field(upstream.headers, b"content-type").startswith(SSE):
+            told.pop("no-cache", None)  # the stream's, which every MCP server sends
         for directive in ("no-store", "no-cache"):
             if directive in told:
                 return 0.0, directive.encode()
@@ -590,31 +620,63 @@ class Cache:
         self,
         key: str,
         owner: str,
+        context: Context,
+        fwd: bytes,
         upstream: UpstreamResponse,
         vary: RawHeaders,
         ttl: float,
         body: bytes | Spool | None,
     ) -> asyncio.Task[None] | None:
-        if body is None:
+        stored = StoredResponse.of(upstream.status, upstream.headers, b"")
+        if body is not None and context.call is not None:
+            stored, body = self._result(context.call, stored, body)
+            self._told(context, fwd, kept=body is not None)
+        elif body is None:  # not read whole, or too large
             self.metrics.cache_decision(self.route, "not_kept")
+        if body is None:
             if owner:
                 self._give_up(key, owner)
             return None
-        return self.tasks.spawn(self._put(key, owner, upstream, vary, ttl, body))
+        return self.tasks.spawn(self._put(key, owner, stored, vary, ttl, body))
+
+    def _told(self, context: Context, fwd: bytes, *, kept: bool) -> None:
+        """An MCP call's decision, once its answer is read: its Cache-Status member says
+        so if its headers are not sent yet (a JSON answer; an SSE one has them sent)."""
+        self.metrics.cache_decision(self.route, "stored" if kept else "uncacheable")
+        member = status(fwd, b"stored") if kept else status(fwd, b"detail=result")
+        context.headers[:] = [(k, member if k == HEADER else v) for k, v in context.headers]
+
+    def _result(
+        self, call: Call, stored: StoredResponse, body: bytes | Spool
+    ) -> tuple[StoredResponse, bytes | None]:
+        """What is kept of an MCP call's answer: its result, or None (an error, ...)."""
+        try:
+            whole = body.whole() if isinstance(body, Spool) else body
+            kept = call.kept(stored.headers, whole)
+        except Exception as exc:  # never the caller's error: the answer is not kept
+            self.log.warning("cache_failed", route=self.route, error=repr(exc))
+            kept = None
+        finally:
+            if isinstance(body, Spool):
+                body.close()
+        if kept is None:
+            return stored, None
+        headers, result = kept
+        return StoredResponse(stored.status, headers, b""), result
 
     async def _put(
         self,
         key: str,
         owner: str,
-        upstream: UpstreamResponse,
+        stored: StoredResponse,
         vary: RawHeaders,
         ttl: float,
         body: bytes | Spool,
     ) -> None:
-        """Store the answer (its body in object storage when large), then free the lock."""
+        """Store the answer (``stored``, with ``body``: in object storage when large),
+        then free the lock."""
         try:
             size = body.size if isinstance(body, Spool) else len(body)
-            stored = StoredResponse.of(upstream.status, upstream.headers, b"")
             if self.offload is not None and self.offload.wants(size):
                 stored = stored.offloaded(await self.offload.put(self.route, body, keep_for=ttl))
             else:
