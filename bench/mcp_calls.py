@@ -8,7 +8,9 @@ own; this process is the client (httpx, one keep-alive connection, one call at a
 - **first-exec**: through the proxy, a new key in ``params._meta.idempotencyKey`` per call
   (claimed, forwarded, the JSON-RPC response recorded);
 - **replay**: through the proxy, one key executed once before: every call a replay with
-  its own ``id``.
+  its own ``id``;
+- **cache-hit**: through a second route with the response cache (``cache.tools``), the
+  same call without a key, answered from the cache with its own ``id`` after the first.
 
     .venv/bin/python bench/mcp_calls.py [--calls N] [--rounds R]
 
@@ -64,8 +66,17 @@ def serve_proxy(port: int, upstream: str) -> None:
         "protocol": "mcp",
         "idempotency": {"key": "opaque"},
     }
+    cached = {
+        "name": "cached",
+        "path_prefix": "/cached",
+        "upstream": upstream,
+        "strip_prefix": True,
+        "protocol": "mcp",
+        "cache": {"scope": "route", "tools": ["charge"]},
+    }
+    routes = [route, cached]
     state = tempfile.mkdtemp()
-    config = parse_config({"store": {"url": "memory://"}, "routes": [route], "state_dir": state})
+    config = parse_config({"store": {"url": "memory://"}, "routes": routes, "state_dir": state})
     uvicorn.run(create_app(config), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -87,6 +98,14 @@ def _call(http: httpx.Client, url: str, n: int, key: str | None) -> float:
     return seconds
 
 
+def _check_hit(http: httpx.Client, url: str) -> None:
+    params = {"name": "charge", "arguments": ARGUMENTS}
+    message = {"jsonrpc": "2.0", "id": "check", "method": "tools/call", "params": params}
+    answer = http.post(url, content=json.dumps(message), headers=HEADERS)
+    if answer.headers.get("cache-status") != "tool-proxy; hit":
+        raise SystemExit(f"the cache-hit scenario does not hit: {answer.headers}")
+
+
 def _round(http: httpx.Client, url: str, calls: int, keys: Any) -> tuple[float, list[float]]:
     started = time.perf_counter()
     latencies = [_call(http, url, n, keys(n)) for n in range(calls)]
@@ -102,14 +121,18 @@ def measure(calls: int, rounds: int) -> dict[str, tuple[float, float, float]]:
         wait_up(f"http://127.0.0.1:{proxy_port}/_proxy/healthz")
         direct = f"http://127.0.0.1:{tool_port}/mcp"
         proxied = f"http://127.0.0.1:{proxy_port}/mcp"
+        cached = f"http://127.0.0.1:{proxy_port}/cached/mcp"
         plans = {
             "direct": (direct, lambda n: None),
             "first-exec": (proxied, None),
             "replay": (proxied, lambda n: "bench-replay"),
+            "cache-hit": (cached, lambda n: None),
         }
         results: dict[str, tuple[float, float, float]] = {}
         with httpx.Client(timeout=10) as http:
             _call(http, proxied, 0, "bench-replay")  # the replayed key, executed once
+            _call(http, cached, 0, None)  # the cached answer, stored once
+            _check_hit(http, cached)
             for name, (url, keys) in plans.items():
                 best: tuple[float, list[float]] = (0.0, [])
                 for r in range(rounds):

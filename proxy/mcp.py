@@ -54,6 +54,7 @@ from proxy.config import (
 )
 from proxy.errors import (
     ArgsHashMismatch,
+    BadRequest,
     InvalidIdempotencyKey,
     KeyReusedWithOtherBody,
     McpRefused,
@@ -236,7 +237,11 @@ class McpView:
                 return None
         elif call.name not in self.cached:
             return None
-        digest = hashlib.sha256(canonical_json(call.arguments, self.canonicalization)).hexdigest()
+        try:
+            canonical = canonical_json(call.arguments, self.canonicalization)
+        except BadRequest:  # no canonical form (an integer past 2**53, NaN): not cached
+            return None
+        digest = hashlib.sha256(canonical).hexdigest()
         accept, session = _header(request, b"accept"), _header(request, _SESSION)
         return CachedCall(call, revision(request, call), digest, accept, session)
 
@@ -388,8 +393,12 @@ class CachedCall:
 
     def kept(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes] | None:
         """The answer's final response, if it is a result to reuse: not a JSON-RPC error,
-        nor an ``isError`` result, a task or an input request."""
+        nor an ``isError`` result, a task or an input request; and not from a stream on
+        which the server asked the client something (elicitation, sampling, roots): that
+        result depends on the caller's answer, not only on the arguments."""
         sse = _content_type(headers) == SSE
+        if sse and any(_asks(data) for data in sse_data(body)):
+            return None
         answer = _final_response(body, SSE if sse else JSON, self.call.id)
         if not isinstance(answer, types.JSONRPCResponse) or not _reusable(answer.result):
             return None
@@ -405,6 +414,17 @@ class CachedCall:
         reply = _framed(_with_id(body, self.call.id), sse, extra)
         framed = [(k, v) for k, v in reply.raw_headers if k != b"content-length"]
         return framed, bytes(reply.body)
+
+
+def _asks(data: bytes) -> bool:
+    """True if an SSE event's data is a JSON-RPC request of the server to the client."""
+    if b'"method"' not in data or b'"id"' not in data:  # a notification: not parsed
+        return False
+    try:
+        message = types.JSONRPCMessage.model_validate_json(data).root
+    except ValidationError:
+        return False
+    return isinstance(message, types.JSONRPCRequest)
 
 
 def _reusable(result: dict[str, Any]) -> bool:
@@ -944,9 +964,11 @@ async def render(
 
 
 def _with_id(payload: bytes, id: str | int) -> bytes:
-    """A recorded (or cached) JSON-RPC response as the answer to request ``id``."""
+    """A recorded (or cached) JSON-RPC response as the answer to request ``id``;
+    ``ValueError`` if it is no response."""
     answer = types.JSONRPCMessage.model_validate_json(payload).root
-    assert isinstance(answer, types.JSONRPCResponse | types.JSONRPCError)
+    if not isinstance(answer, types.JSONRPCResponse | types.JSONRPCError):
+        raise ValueError("not a JSON-RPC response")
     return _as_answer_to(answer, id)
 
 

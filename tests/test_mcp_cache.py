@@ -17,14 +17,17 @@ from proxy import mcp
 from proxy.asgi import Incoming
 from proxy.config import RouteConfig, parse_config
 from proxy.errors import ConfigError
+from tests import test_offload
 from tests.conftest import ProxyFactory, new_key
 from tests.idp import IdentityProvider
 from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
 from tests.servers import ThreadServer
 from tests.test_auth import auth_config
 from tests.test_mcp import account, bearer, text
+from tests.test_offload import BUCKET, S3, s3_offload
 
 BOTH = "application/json, text/event-stream"
+s3 = test_offload.s3  # moto's S3 server, the fixture of the offload tests
 
 
 @pytest.fixture(scope="module", params=["json", "sse"])
@@ -96,6 +99,7 @@ def test_a_hit_has_the_new_id_the_form_asked_for_and_cache_status(
     with httpx.Client(timeout=10) as http:
         raw = RawSession(http, proxy.url + "/mcp", BOTH).open()
         first = raw.post(call(1, "balance", {"account": who}))
+        raw = RawSession(http, proxy.url + "/mcp", BOTH).open()  # another session
         again = raw.post(call("two", "balance", {"account": who}, _meta={"progressToken": 5}))
         json_only = raw.post(
             call(3, "balance", {"account": who}), Accept="application/json, text/event-stream;q=0.5"
@@ -357,3 +361,127 @@ def test_scope_principal_keeps_each_callers_answers_apart(
 
     assert asyncio.run(scenario()) == [f"{who}: 0 charges"] * 4
     assert mcp_tool.executions[f"balance:{who}"] == 2  # one fill per caller
+
+
+@pytest.fixture(scope="module")
+def sse_tool() -> Iterator[McpTool]:
+    tool = McpTool(json_response=False).start()
+    yield tool
+    tool.stop()
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_a_call_on_which_the_server_asked_the_client_is_not_kept(
+    make_proxy: ProxyFactory, sse_tool: McpTool, guard: bool
+) -> None:
+    """``close`` elicits on its SSE stream: the request reaches the caller at once (nothing
+    held back by the cache), and the result, which depends on the answer, is not stored."""
+    proxy = make_proxy(
+        cached_route(sse_tool.url, {"tools": ["close"]}, **(guarded() if guard else {}))
+    )
+    who = account()
+    asked: list[str] = []
+
+    async def confirm(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"sure": True})
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp", elicitation_callback=confirm) as client:
+            answers = []
+            for _ in range(2):
+                meta = {"idempotencyKey": new_key({"account": who})} if guard else None
+                answer = client.call_tool("close", {"account": who}, meta=meta)
+                answers.append(text(await asyncio.wait_for(answer, 10)))
+            return answers
+
+    assert asyncio.run(scenario()) == [f"closed {who}"] * 2
+    assert asked == [f"Close {who}?"] * 2
+    assert sse_tool.executions[f"close:{who}"] == 2
+
+
+def test_progress_reaches_the_filling_caller_and_a_hit_is_the_result_alone(
+    make_proxy: ProxyFactory, sse_tool: McpTool
+) -> None:
+    proxy = make_proxy(cached_route(sse_tool.url, {"tools": ["export"]}))
+    who = account()
+    seen: list[list[float]] = [[], []]
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            answers = []
+            for got in seen:
+
+                async def note(
+                    progress: float,
+                    total: float | None,
+                    message: str | None,
+                    got: list[float] = got,
+                ) -> None:
+                    got.append(progress)
+
+                answer = await client.call_tool("export", {"account": who}, progress_callback=note)
+                answers.append(text(answer))
+            return answers
+
+    assert asyncio.run(scenario()) == [f"exported {who}"] * 2
+    assert seen == [[0, 1, 2], []]
+    assert sse_tool.executions[f"export:{who}"] == 1
+
+
+def test_arguments_without_a_canonical_form_pass_uncached(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = make_proxy(cached_route(mcp_tool.url, {"tools": ["balance"]}))
+    who = account()
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", BOTH).open()
+        answers = [raw.post(call(n, "balance", {"account": who, "big": 2**60})) for n in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [message_of(a)["id"] for a in answers] == [0, 1]
+    assert "cache-status" not in answers[1].headers
+    assert mcp_tool.executions[f"balance:{who}"] == 2
+
+
+def test_each_endpoint_of_a_route_has_its_own_entries(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    proxy = make_proxy(cached_route(mcp_tool.url, {"tools": ["balance"]}))
+    who = account()
+    statuses = []
+    with httpx.Client(timeout=10) as http:
+        for query in ("?tenant=a", "?tenant=b", "?tenant=a"):
+            raw = RawSession(http, proxy.url + "/mcp" + query, BOTH).open()
+            statuses.append(raw.post(call(1, "balance", {"account": who})).headers["cache-status"])
+    assert [s.split(";")[1].strip() for s in statuses] == ["fwd=miss", "fwd=miss", "hit"]
+    assert mcp_tool.executions[f"balance:{who}"] == 2
+
+
+def test_a_large_result_is_cached_in_object_storage(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, s3: S3
+) -> None:
+    spec = cached_route(mcp_tool.url, {"tools": ["report"]})
+    proxy = make_proxy(spec, offload=s3_offload(s3, threshold=1024))
+    who = account()
+
+    async def scenario() -> list[str]:
+        async with session(proxy.url + "/mcp") as client:
+            arguments = {"account": who, "size": 300_000}
+            return [text(await client.call_tool("report", arguments)) for _ in "ab"]
+
+    assert asyncio.run(scenario()) == ["r" * 300_000] * 2
+    assert mcp_tool.executions[f"report:{who}"] == 1
+    [stored] = s3.keys()
+    body = s3.client().get_object(Bucket=BUCKET, Key=stored)["Body"].read()
+    assert json.loads(body)["result"]["content"][0]["text"] == "r" * 300_000  # the result
+
+
+def test_a_stream_on_which_the_server_asked_the_client_is_not_kept() -> None:
+    cached = _view(["balance"]).caching(_incoming(), _tool_call())
+    assert cached is not None
+    roots = {"jsonrpc": "2.0", "id": 0, "method": "roots/list"}
+    result = {"jsonrpc": "2.0", "id": 7, "result": {"content": []}}
+    events = [b"event: message\ndata: " + json.dumps(m).encode() + b"\n\n" for m in (roots, result)]
+    sse = [(b"content-type", b"text/event-stream")]
+    assert cached.kept(sse, b"".join(events)) is None
+    assert cached.kept(sse, events[1]) is not None

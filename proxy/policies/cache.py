@@ -165,7 +165,10 @@ gives the task that stores it, if any."""
 class Filling(UpstreamResponse):
     """A cacheable answer on its way to the caller, kept (up to ``limit`` bytes, in a
     spool: memory, then a file) as it is read. Its end (the last chunk) reaches the caller
-    once it is stored: the same request sent right after it is a hit.
+    once it is stored: the same request sent right after it is a hit. Not with
+    ``hold=False`` (an MCP stream, whose server may send a request and wait for the
+    client's answer: every chunk goes on at once; a repeat right after it waits for the
+    store, holding the fill lock, instead).
 
     Streamed, it is read by a task of its own (``tasks``), the caller taking the chunks as
     they come: a caller that leaves mid-stream does not discard a good answer, which is
@@ -175,10 +178,18 @@ class Filling(UpstreamResponse):
     _AHEAD = 2
 
     def __init__(
-        self, upstream: UpstreamResponse, limit: int, spool: int, kept: Kept, tasks: TaskSet
+        self,
+        upstream: UpstreamResponse,
+        limit: int,
+        spool: int,
+        kept: Kept,
+        tasks: TaskSet,
+        *,
+        hold: bool = True,
     ) -> None:
         super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
         self._upstream = upstream
+        self._hold = hold
         self._limit = limit
         self._spool = spool
         self._kept: Kept | None = kept
@@ -214,6 +225,9 @@ class Filling(UpstreamResponse):
                 self._room.set()
                 if isinstance(item, BaseException):
                     raise item
+                if not self._hold:
+                    yield item
+                    continue
                 if held is not None:
                     yield held
                 held = item
@@ -367,17 +381,19 @@ class Cache:
     def key(self, context: Context) -> str:
         """``cache|<route>|<digest>`` of the method, path, query, the body's media type
         (the same bytes as JSON and as text are two requests) and canonical digest, and the
-        principal for ``scope: principal``; of an MCP call, what it asks (``Call.material``)
-        in place of the request."""
+        principal for ``scope: principal``; of an MCP call, the endpoint (path, query) and
+        what the call asks (``Call.material``) in place of the body."""
         who = context.principal.encode() if self.per_principal else b"*"
-        if context.call is not None:
-            material = b"\n".join((who, context.call.material()))
-            return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
         scope = context.request.scope
+        path: bytes = scope.get("raw_path") or scope["path"].encode()
+        if context.call is not None:  # the endpoint (path, query), then what the call asks
+            material = b"\n".join(
+                (who, b"MCP", path, scope["query_string"], context.call.material())
+            )
+            return f"cache|{self.route}|{hashlib.sha256(material).hexdigest()[:40]}"
         content_type = context.request.header(b"content-type")
         body = fingerprint(context.body, content_type, self.canonicalization, self.max_depth)
         media = (content_type or "").split(";", 1)[0].strip().lower()
-        path: bytes = scope.get("raw_path") or scope["path"].encode()
         method = context.request.method.encode()
         parts = (who, method, path, scope["query_string"], media.encode(), body.encode())
         material = b"\n".join(parts)
@@ -470,7 +486,11 @@ class Cache:
             return b"miss"
         if call is not None:  # re-addressed to this call (its id, the form it takes)
             assert isinstance(body, bytes)
-            headers, body = call.served(stored.headers, body)
+            try:
+                headers, body = call.served(stored.headers, body)
+            except ValueError:  # not a JSON-RPC response: a miss, its answer stored anew
+                self.log.warning("cached_answer_malformed", route=self.route)
+                return b"miss"
             stored = StoredResponse(stored.status, headers, b"")
         if collapsed:
             self.metrics.cache_decision(self.route, "collapsed")
@@ -589,6 +609,7 @@ class Cache:
             self._spool,
             lambda body: self._kept(key, owner, context, fwd, upstream, vary, ttl, body),
             self.tasks,
+            hold=context.call is None,
         )
 
     def _freshness(self, upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
