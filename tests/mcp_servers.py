@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -171,6 +171,16 @@ async def session(
     ):
         await client.initialize()
         yield client
+
+
+def confirming(asked: list[str]) -> Callable[..., Awaitable[types.ElicitResult]]:
+    """An elicitation callback that says yes (to ``close``), noting each question."""
+
+    async def confirm(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"sure": True})
+
+    return confirm
 
 
 class RawSession:

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
-from mcp import types
 from mcp.shared.exceptions import McpError
 from starlette.responses import StreamingResponse
 
@@ -22,7 +21,7 @@ from proxy.forwarding import UpstreamResponse
 from tests import test_offload
 from tests.conftest import ProxyFactory, new_key
 from tests.idp import IdentityProvider
-from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
+from tests.mcp_servers import McpTool, RawSession, TaskTool, confirming, message_of, session
 from tests.servers import ThreadServer
 from tests.test_auth import auth_config
 from tests.test_offload import BUCKET, S3, s3_offload
@@ -219,12 +218,8 @@ def test_the_servers_request_reaches_the_first_caller_who_answers_it(
     meta = {"idempotencyKey": new_key({"account": who})}
     asked: list[str] = []
 
-    async def confirm(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
-        asked.append(params.message)
-        return types.ElicitResult(action="accept", content={"sure": True})
-
     async def scenario() -> list[str]:
-        async with session(proxy.url + "/mcp", elicitation_callback=confirm) as client:
+        async with session(proxy.url + "/mcp", elicitation_callback=confirming(asked)) as client:
             return [
                 text(await client.call_tool("close", {"account": who}, meta=meta)) for _ in "ab"
             ]

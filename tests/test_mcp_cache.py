@@ -20,7 +20,7 @@ from proxy.errors import ConfigError
 from tests import test_offload
 from tests.conftest import ProxyFactory, new_key
 from tests.idp import IdentityProvider
-from tests.mcp_servers import McpTool, RawSession, TaskTool, message_of, session
+from tests.mcp_servers import McpTool, RawSession, TaskTool, confirming, message_of, session
 from tests.servers import ThreadServer
 from tests.test_auth import auth_config
 from tests.test_mcp import account, bearer, text
@@ -382,12 +382,8 @@ def test_a_call_on_which_the_server_asked_the_client_is_not_kept(
     who = account()
     asked: list[str] = []
 
-    async def confirm(context: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
-        asked.append(params.message)
-        return types.ElicitResult(action="accept", content={"sure": True})
-
     async def scenario() -> list[str]:
-        async with session(proxy.url + "/mcp", elicitation_callback=confirm) as client:
+        async with session(proxy.url + "/mcp", elicitation_callback=confirming(asked)) as client:
             answers = []
             for _ in range(2):
                 meta = {"idempotencyKey": new_key({"account": who})} if guard else None
