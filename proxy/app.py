@@ -48,6 +48,7 @@ from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
 from proxy.mcp import McpView
 from proxy.metrics import Metrics
+from proxy.numbers import MAX_DIGITS, digits, whole
 from proxy.offload import Offload
 from proxy.operation import identify
 from proxy.operations import operation_routes
@@ -102,9 +103,9 @@ async def read_body(request: Incoming, limit: int) -> bytes:
     """The whole request body, or ``RequestTooLarge`` as soon as it passes ``limit``."""
     declared = request.header(b"content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not digits(declared):
             raise BadRequest("Content-Length is not a number")
-        if int(declared) > limit:
+        if len(declared) > MAX_DIGITS or int(declared) > limit:
             raise RequestTooLarge(f"the body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
@@ -429,10 +430,9 @@ class Proxy:
 
     async def _pass_through(self, request: Incoming, route: RouteConfig) -> Response:
         declared = request.header(b"content-length")
-        if declared is None or not declared.isdigit() or int(declared) <= SMALL_BODY_BYTES:
+        if declared is None or (length := whole(declared)) is None or length <= SMALL_BODY_BYTES:
             body = await read_body(request, self.max_body)
             return await self._relay(request, await self._send(request, route, body))
-        length = int(declared)
         if length > self.max_body:
             raise RequestTooLarge(f"the body is {length} bytes; the limit is {self.max_body}")
         upstream = await self._send(request, route, request.chunks(), length)

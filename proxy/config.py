@@ -28,6 +28,7 @@ from pydantic import (
 
 from proxy.errors import ConfigError
 from proxy.keys import Canonicalization, KeyKind
+from proxy.numbers import whole
 
 # The store used when the file names none: the embedded SQLite database.
 DEFAULT_STORE_URL = "sqlite:///var/lib/tool-proxy/state.db"
@@ -403,8 +404,8 @@ def check_resource_key(key: str) -> str:
         return key
     if key.startswith("header:") and _HEADER_NAME.fullmatch(key[7:]):
         return "header:" + key[7:].lower()
-    if key.startswith("path:") and key[5:].isdigit() and int(key[5:]) < 64:
-        return "path:" + str(int(key[5:]))
+    if key.startswith("path:") and (index := whole(key[5:])) is not None and index < 64:
+        return "path:" + str(index)
     if key.startswith("json:"):
         return check_json_source(key)
     raise ValueError(

@@ -28,13 +28,14 @@ import json
 import math
 import random
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Scope
 
+from proxy import numbers
 from proxy.asgi import Incoming, RawHeaders, Reply
 from proxy.background import TaskSet
 from proxy.config import AsyncConfig, AsyncMode, RouteConfig
@@ -94,8 +95,8 @@ def preferences(header: str | None) -> tuple[bool, float | None]:
         token = token.strip().lower()
         if token == "respond-async":
             asynchronous = True
-        elif token == "wait" and value.strip().strip('"').isdigit():
-            wait = float(value.strip().strip('"'))
+        elif token == "wait" and (seconds := numbers.whole(value.strip().strip('"'))) is not None:
+            wait = float(seconds)
     return asynchronous, wait
 
 
@@ -207,6 +208,26 @@ def accepted(job: Job, retry_after: float, preferred: bool) -> Response:
     return Reply(202, headers, body)
 
 
+# How long a requeue (or the release of a job that never ran) holds its job's lock, at
+# most: a process that dies holding it frees it when it lapses.
+REQUEUE_LOCK_SECONDS = 30.0
+
+
+@contextlib.asynccontextmanager
+async def requeue_lock(store: Store, job_id: str) -> AsyncIterator[bool]:
+    """The job's requeue lock in the store: True if taken (freed on leaving), False if
+    another requeue, or release, of this job holds it. A DEAD job becomes QUEUED only
+    under it, so what is read of the job under it stays true (DEAD and CANCELLED end a
+    job otherwise)."""
+    name, token = f"requeue|{job_id}", secrets.token_hex(8)
+    taken = await store.acquire(name, token, REQUEUE_LOCK_SECONDS)
+    try:
+        yield taken
+    finally:
+        if taken:
+            await store.unlock(name, token)
+
+
 def job_id_of(owner: str) -> str | None:
     """The job whose record this is, from the record's owner."""
     return owner[len(JOB_OWNER) :] if owner.startswith(JOB_OWNER) else None
@@ -276,8 +297,8 @@ class RouteJobs:
                 return None
             if job.state not in NEVER_RAN:
                 return await self._answer(job, op, how)
-            # cancelled or dead, its key's release lost: nothing ran, release it now
-            await self.store.release(op.key, record.owner)
+            if not await self._release_never_ran(job.id, op.key, record.owner):
+                return None
         else:
             return None
         try:
@@ -288,6 +309,19 @@ class RouteJobs:
         self._wake.set()
         self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
         return await self._answer(job, op, how)
+
+    async def _release_never_ran(self, job_id: str, key: RecordKey, owner: str) -> bool:
+        """Release the key of a cancelled or dead job whose own release was lost (nothing
+        ran), unless a requeue revived it: under its requeue lock. False if it is not
+        released (a requeue holds the lock, or revived the job)."""
+        async with requeue_lock(self.store, job_id) as taken:
+            if not taken:
+                return False
+            job = await self.queue.get(job_id)
+            if job is not None and job.state not in NEVER_RAN:
+                return False
+            await self.store.release(key, owner)
+            return True
 
     async def _keep_request(
         self,
@@ -388,6 +422,10 @@ class RouteJobs:
                 self.log.warning("job_queue_unreadable", route=self.route.name, error=exc.detail)
                 await self._idle(QUEUE_RETRY_SECONDS)
                 continue
+            except Exception:  # a job it cannot read: the worker goes on (the hold lapses)
+                self.log.exception("job_queue_unreadable", route=self.route.name)
+                await self._idle(QUEUE_RETRY_SECONDS)
+                continue
             if job is None:
                 await self._idle(IDLE_POLL_SECONDS)
                 continue
@@ -429,6 +467,9 @@ class RouteJobs:
         except ProxyError as exc:  # the stored body cannot be had now: nothing is sent
             await self._refused(job, op.key, worker, QUEUED, job.attempts + 1, _problem(exc), None)
             return
+        visibility = self.config.visibility
+        if not await self.queue.hold(job.id, worker, visibility):  # the body took too long
+            return  # another worker has it now; nothing was sent
         loop = asyncio.get_running_loop()
         renewed_at = loop.time()
         policy = self.guard.policy
@@ -439,7 +480,8 @@ class RouteJobs:
         running = await self.queue.move(
             job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=job.attempts + 1, sent=True
         )
-        if running is None:  # cancelled meanwhile, or the hold was lost
+        if running is None:  # cancelled meanwhile, or the hold was lost: its wait goes on
+            await self.store.renew(op.key, owner, self.config.max_queued, ttl)
             return
         self.hub.poke(job.id)
         lease = self.guard.job_lease(op, owner, renewed_at)
@@ -552,8 +594,9 @@ class RouteJobs:
     def _backoff(self, attempts: int, told: str | int | None) -> float:
         """Exponential with jitter (half fixed, half random), or the tool's Retry-After
         (at most half of max_queued: the job must still be due within its lease)."""
-        if told is not None and str(told).strip().isdigit():
-            return min(float(str(told).strip()), self.config.max_queued / 2)
+        seconds = None if told is None else numbers.whole(str(told).strip())
+        if seconds is not None:
+            return min(float(seconds), self.config.max_queued / 2)
         ceiling: float = min(self.config.backoff_max, self.config.backoff * 2.0 ** (attempts - 1))
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
@@ -634,13 +677,17 @@ async def requeue(job: Job, route: RouteConfig, store: Store, queue: Queue) -> J
     fingerprint = decode_request(job.request).fingerprint
     queued = route.async_.max_queued
     ttl = job_record_ttl(route.idempotency, queued)
-    claim = await store.claim(key, fingerprint, owner, queued, ttl)
-    if not claim.claimed:
-        return None
-    requeued = await queue.move(job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b"")
-    if requeued is None:
-        await store.release(key, owner)
-    return requeued
+    async with requeue_lock(store, job.id) as taken:
+        current = await queue.get(job.id) if taken else None
+        if current is None or current.state is not JobState.DEAD:  # e.g. requeued already
+            return None
+        claim = await store.claim(key, fingerprint, owner, queued, ttl)
+        if not claim.claimed:
+            return None
+        moved = await queue.move(job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b"")
+        if moved is None:  # it expired meanwhile
+            await store.release(key, owner)
+        return moved
 
 
 def listing(job: Job) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from proxy import numbers
 from proxy.admin import AdminAuth
 from proxy.asgi import Incoming
 from proxy.config import RouteConfig
@@ -174,18 +175,15 @@ class Operations:
 
 def _last_event_id(request: Request) -> int:
     value = request.headers.get("last-event-id", "0").strip() or "0"
-    if not value.isdigit():
+    seq = numbers.whole(value)
+    if seq is None:
         raise InvalidField("Last-Event-ID", "must be the id of an event of this operation")
-    return int(value)
+    return seq
 
 
 def parse_limit(value: str | None, field: str = "limit") -> int:
     """A page size from 1 to MAX_LIST (100 when not given); 400 naming ``field``."""
-    if value is None:
-        return 100
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST:
-        raise InvalidField(field, f"an integer from 1 to {MAX_LIST}")
-    return int(value)
+    return numbers.parse_limit(value, field, MAX_LIST, 100)
 
 
 def operation_routes(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from proxy import numbers
 from proxy.config import DEFAULT_RESULT_TTL, RouteConfig, parse_duration
 from proxy.errors import (
     PROBLEM_BASE,
@@ -261,11 +262,7 @@ def _duration(value: str | None, field: str) -> float | None:
 
 def parse_limit(value: str | None, field: str = "limit") -> int:
     """A page size: 1..MAX_LIMIT, DEFAULT_LIMIT when not given."""
-    if value is None:
-        return DEFAULT_LIMIT
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIMIT:
-        raise InvalidField(field, f"must be a whole number from 1 to {MAX_LIMIT}")
-    return int(value)
+    return numbers.parse_limit(value, field, MAX_LIMIT, DEFAULT_LIMIT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,16 @@ from proxy.cli import main as cli_main
 from proxy.config import parse_config
 from proxy.errors import ConfigError, OffloadUnavailable, StoreUnavailable
 from proxy.job_events import Hub
-from proxy.jobs import RouteJobs, asked, preferences
-from proxy.store import Job, JobState
+from proxy.jobs import (
+    JOB_OWNER,
+    RouteJobs,
+    StoredRequest,
+    asked,
+    encode_request,
+    preferences,
+    requeue,
+)
+from proxy.store import Job, JobState, RecordKey, State
 from proxy.store.memory import MemoryQueue, MemoryStore
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
@@ -626,3 +634,108 @@ def test_the_cli_lists_dead_operations_and_requeues_them(
         code, _, err = cli("requeue", dead["id"], "--reason", "again")
         assert code == 1 and "only a dead one" in err
         assert tool.calls[key] == 2
+
+
+# -- the second review's findings -----------------------------------------------------------
+
+
+def _dead_job_store(backend: str, request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    if backend == "memory":
+        return MemoryStore(), MemoryQueue()
+    from proxy.store.redis import RedisStore
+
+    redis = RedisStore(request.getfixturevalue("redis_url"))
+    return redis, redis.queue()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_stale_second_requeue_leaves_the_running_jobs_key_alone(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Two operators requeue one dead operation; the second read it while it was still
+    dead, and runs after the first queued it and a worker sent it. The second is refused,
+    and the running job's claim stays (releasing it would let a retry run the call again)."""
+    spec = route("http://tool:1")
+    spec["async"] = {"visibility": "1s"}
+    config = parse_config({"routes": [spec]}, env={}).routes[0]
+    store, queue = _dead_job_store(backend, request)
+    try:
+        await _requeue_twice(config, store, queue)
+    finally:
+        await store.close()
+
+
+async def _requeue_twice(config: Any, store: Any, queue: Any) -> None:
+    key = RecordKey("scope|1", "k")
+    scope = {"method": "POST", "path": "/t", "query_string": b"", "headers": [], "scheme": "http"}
+    blob = encode_request(StoredRequest(scope, b"{}", "fp", ""))
+    await queue.submit(Job("A", config.name, "", key.slot, key.name, "k", blob, keep=600))
+    owner = JOB_OWNER + "A"
+    dead = await queue.move("A", frozenset({JobState.QUEUED}), JobState.DEAD)  # key released
+    assert dead is not None
+    assert await requeue(dead, config, store, queue) is not None
+    assert await queue.take(config.name, "w", 1.0) is not None
+    assert await store.renew(key, owner, 10, 600)
+    sent = frozenset({JobState.QUEUED})
+    assert await queue.move("A", sent, JobState.RUNNING, worker="w", sent=True) is not None
+    assert await requeue(dead, config, store, queue) is None  # the stale one
+    record = await store.get(key)
+    assert record is not None and record.state is State.IN_PROGRESS and record.owner == owner
+
+
+def test_a_slow_start_never_lets_another_worker_fail_a_call_in_flight(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first worker takes most of its hold reading the body (a large one from object
+    storage): its hold is renewed before the call is sent, so the second worker does not
+    take the job over and record an unknown outcome while the call runs."""
+    original = RouteJobs._body
+    reads: list[int] = []
+
+    async def slow_body(self: RouteJobs, request: Any) -> bytes:
+        reads.append(1)
+        if len(reads) == 1:
+            await asyncio.sleep(0.25)  # of a 0.3 s hold
+        return await original(self, request)
+
+    monkeypatch.setattr(RouteJobs, "_body", slow_body)
+    spec = _fault_route(tool.url)
+    spec["workers"] = {"concurrency": 2}
+    proxy = make_proxy(spec)
+    key = new_key(BODY)
+    location = post(proxy.url, key=key, query="?delay=1.5", **ASYNC).headers["location"]
+    ended = until(proxy.url, location, "completed", "failed", "dead")
+    assert ended["state"] == "completed", ended
+    assert tool.count(key) == 1
+
+
+def test_numbers_that_are_not_ascii_digits_are_problems_not_errors(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
+    proxy = make_proxy(long_route(tool.url), admin={"token_env": "ADMIN_TOKEN"})
+    location = post(proxy.url, query="?delay=1", **ASYNC).headers["location"]
+    stream = {"accept": "text/event-stream"}
+    admin = {"authorization": "Bearer operator-secret"}
+    answers = {
+        "Last-Event-ID ²": httpx.get(
+            proxy.url + location,
+            headers=[(b"accept", b"text/event-stream"), (b"last-event-id", b"\xb2")],
+        ),
+        "Last-Event-ID, 5000 digits": httpx.get(
+            proxy.url + location, headers={**stream, "last-event-id": "9" * 5000}
+        ),
+        "limit ²": httpx.get(proxy.url + "/_proxy/admin/operations?limit=%C2%B2", headers=admin),
+        "limit, 5000 digits": httpx.get(
+            proxy.url + "/_proxy/admin/operations?limit=" + "1" * 5000, headers=admin
+        ),
+        "records limit ²": httpx.get(
+            proxy.url + "/_proxy/admin/records?limit=%C2%B2", headers=admin
+        ),
+    }
+    for name, answer in answers.items():
+        assert answer.status_code == 400, name
+        assert answer.headers["content-type"] == "application/problem+json", name
+        assert answer.json()["type"].endswith("invalid-field"), name
+    assert preferences("respond-async, wait=\xb2") == (True, None)

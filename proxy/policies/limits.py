@@ -42,6 +42,7 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
+from proxy.numbers import whole
 from proxy.policies import Context, Forward
 from proxy.store.buckets import Admission, Buckets, Rate, Slots
 
@@ -503,8 +504,8 @@ def pause_seconds(headers: Sequence[tuple[bytes, bytes]], now: float) -> float |
 
 def _retry_after(value: str, now: float) -> float | None:
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if (seconds := whole(value)) is not None:
+        return float(seconds)
     with contextlib.suppress(TypeError, ValueError, IndexError):
         return max(parsedate_to_datetime(value).timestamp() - now, 0.0)
     return None
