@@ -218,7 +218,10 @@ def _body(data: dict[str, Any]) -> bytes:
     text = data.get("body", "")
     if not isinstance(text, str):
         raise InvalidField("body", "must be a string (use body_base64 for bytes)")
-    return text.encode()
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise InvalidField("body", "not valid Unicode (a lone surrogate)") from None
 
 
 class AdminRecords:

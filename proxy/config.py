@@ -6,6 +6,7 @@ Unknown keys are errors. Durations are seconds (a number) or a string with a uni
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -146,6 +147,8 @@ def parse_duration(value: Any) -> float:
         seconds = float(match[1]) * _UNITS[match[2]]
     else:
         raise ValueError(f"not a duration: {value!r} (use a number of seconds or 250ms, 5s, 2m)")
+    if not math.isfinite(seconds):
+        raise ValueError("a duration must be a finite number of seconds")
     if seconds <= 0:
         raise ValueError("a duration must be positive")
     return seconds
@@ -1070,6 +1073,8 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

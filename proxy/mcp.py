@@ -253,6 +253,8 @@ class McpView:
         body = await exchange.read()
         try:
             message = parse(body)
+            if self.guard is not None:  # what it must read to guard: a request, with an id
+                _check_request(message)
             call = tool_call(message) if _is_request(message, "tools/call") else None
         except JsonRpcRefusal as exc:  # the JSON-RPC spec's codes; 400 if it is not JSON-RPC
             status = 200 if exc.code == types.INVALID_PARAMS else 400
@@ -560,6 +562,21 @@ def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | Non
     if isinstance(message, types.JSONRPCRequest | types.JSONRPCNotification):
         return message
     return None
+
+
+def _check_request(message: types.JSONRPCRequest | types.JSONRPCNotification | None) -> None:
+    """-32600 for a "notification" that is a request whose ``id`` is not a string or an
+    integer (a float, a bool, null: JSON-RPC lets a server take them), or a ``tools/call``
+    without an id: forwarded, it would run unguarded, every retry again."""
+    if not isinstance(message, types.JSONRPCNotification):
+        return
+    extra = message.model_extra or {}
+    if "id" in extra or message.method == "tools/call":
+        raise JsonRpcRefusal(
+            types.INVALID_REQUEST,
+            "Invalid Request: a request's id must be a string or an integer (tools/call is "
+            "a request: it needs one); nothing was sent",
+        )
 
 
 def _check_batch(body: bytes) -> None:

@@ -17,6 +17,7 @@ unguessable (144 random bits).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ HEARTBEAT_SECONDS = 15.0
 POLL_AFTER_SECONDS = 1
 STATES = {state.value: state for state in JobState}
 MAX_LIST = 1000
+_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,64}")  # an operation id (jobs.py: token_urlsafe)
 
 Caller = Callable[[Incoming, RouteConfig], Awaitable[tuple[str, str]]]
 """The caller's principal on a route (``app.Proxy._caller``); raises 401."""
@@ -149,7 +151,10 @@ class Operations:
             if state is None:
                 raise InvalidField("state", f"one of {', '.join(STATES)}")
         limit = parse_limit(query.get("limit"))
-        cursor, page = await self.queue.list(state, query.get("cursor", ""), limit)
+        after = query.get("cursor", "")
+        if after and not _CURSOR.fullmatch(after):
+            raise InvalidField("cursor", "must be the next_cursor of an earlier page")
+        cursor, page = await self.queue.list(state, after, limit)
         return JSONResponse(
             {
                 "operations": [listing(j) for j in page],

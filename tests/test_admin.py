@@ -307,6 +307,11 @@ def test_resolve_refuses_other_states_and_bad_input(admin_proxy: ThreadServer) -
         refused = resolve(admin_proxy, done, **body)
         assert refused.status_code == 400, body
         assert refused.json()["detail"].startswith(f"{field}:"), refused.json()
+    lone = b'{"as": "completed", "status": 200, "reason": "r", "body": "\\ud800"}'  # a surrogate
+    url = f"{admin_proxy.url}/_proxy/admin/records/{done}/resolve"
+    refused = httpx.post(url, content=lone, headers={**admin(), "content-type": "application/json"})
+    assert refused.status_code == 400
+    assert refused.json()["detail"].startswith("body:"), refused.json()
     missing = resolve(admin_proxy, "c2xvdHx8fC0AbmFtZQ", **{"as": "released"}, reason="r")
     assert missing.status_code == 404
     assert missing.json()["type"] == "urn:tool-proxy:problem:record-not-found"

@@ -38,7 +38,10 @@ def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "5", "5 parsecs", "-1s", "0s", 0, True, None, "1w"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "5", "5 parsecs", "-1s", "0s", 0, True, None, "1w", float("nan"), float("inf")],
+)
 def test_bad_durations(text: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
@@ -92,6 +95,13 @@ def test_cross_field_checks() -> None:
         )
     with pytest.raises(ConfigError, match=r"routes\[1\].name: 'r' is used by another route"):
         parse_config({"routes": [ROUTE, {**ROUTE, "path_prefix": "/other"}]}, env={})
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"\xff\xferoutes: []\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: not UTF-8 text \(byte 0\)"):
+        load_config(path, env={})
 
 
 def test_missing_routes_and_non_mapping() -> None:

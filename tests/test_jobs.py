@@ -710,7 +710,7 @@ def test_a_slow_start_never_lets_another_worker_fail_a_call_in_flight(
     assert tool.count(key) == 1
 
 
-def test_numbers_that_are_not_ascii_digits_are_problems_not_errors(
+def test_bad_numbers_and_cursors_are_problems_not_errors(
     tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
@@ -730,6 +730,7 @@ def test_numbers_that_are_not_ascii_digits_are_problems_not_errors(
         "limit, 5000 digits": httpx.get(
             proxy.url + "/_proxy/admin/operations?limit=" + "1" * 5000, headers=admin
         ),
+        "cursor ²": httpx.get(proxy.url + "/_proxy/admin/operations?cursor=%C2%B2", headers=admin),
         "records limit ²": httpx.get(
             proxy.url + "/_proxy/admin/records?limit=%C2%B2", headers=admin
         ),

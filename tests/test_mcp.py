@@ -399,6 +399,14 @@ def test_a_task_augmented_call_sent_again_gets_the_same_task(make_proxy: ProxyFa
         (b'{"jsonrpc": "1.0", "id": 9, "method": "tools/call"}', -32600),
         (b'[{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "x"}}]', -32600),
         (b'{"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": 5}}', -32602),
+        # ids JSON-RPC lets a server take, which would make the call a "notification":
+        (b'{"jsonrpc": "2.0", "id": 1.5, "method": "tools/call", "params": {"name": "x"}}', -32600),
+        (
+            b'{"jsonrpc": "2.0", "id": true, "method": "tools/call", "params": {"name": "x"}}',
+            -32600,
+        ),
+        (b'{"jsonrpc": "2.0", "id": null, "method": "ping"}', -32600),
+        (b'{"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "x"}}', -32600),
     ],
 )
 def test_a_body_that_cannot_be_guarded_is_a_json_rpc_error(
