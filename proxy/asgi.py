@@ -20,8 +20,10 @@ RawHeaders = list[tuple[bytes, bytes]]
 
 # The request headers the proxy itself reads. Each is one value: a repeated line with
 # another value is refused (the proxy would read one, the tool perhaps the other), and
-# Idempotency-Key, an RFC 8941 Item, may not be repeated at all.
-READ_HEADERS = frozenset({b"authorization", b"content-length", b"content-type", b"idempotency-key"})
+# Idempotency-Key, an RFC 8941 Item, and Host (RFC 9112 3.2) may not be repeated at all.
+READ_HEADERS = frozenset(
+    {b"authorization", b"content-length", b"content-type", b"host", b"idempotency-key"}
+)
 
 
 @dataclass(slots=True)
@@ -45,6 +47,8 @@ class Incoming:
                     _check_repeated(name, value, headers[name])
                 else:
                     headers[name] = value.decode("latin-1")
+        if b"host" not in headers and scope.get("http_version") == "1.1":
+            raise InvalidHeader("an HTTP/1.1 request must have a Host header (RFC 9112 3.2)")
         return cls(scope, receive, scope["method"], headers)
 
     def header(self, name: bytes) -> str | None:
@@ -77,6 +81,8 @@ def _check_utf8(name: bytes, value: bytes) -> None:
 def _check_repeated(name: bytes, value: bytes, first: str) -> None:
     if name == b"idempotency-key":
         raise InvalidIdempotencyKey("Idempotency-Key must be sent once (one RFC 8941 Item)")
+    if name == b"host":
+        raise InvalidHeader("Host is sent twice (RFC 9112 3.2: one Host header)")
     if value.decode("latin-1") != first:
         field = name.decode("latin-1")
         raise InvalidHeader(f"{field} is sent twice with different values")

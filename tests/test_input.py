@@ -318,3 +318,16 @@ def test_the_served_proxy_takes_its_limits_and_answers_problems(
     # not a WebSocket proxy: a plain request to the tool, never a library's own text 403
     assert httpx.get(url, headers=upgrade).status_code == 200
     assert tool.total == 2
+
+
+def test_a_request_needs_one_host(make_proxy: ProxyFactory, tool: CountingTool) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request without Host, or with two, is a 400; HTTP/1.0
+    needs none."""
+    proxy = make_proxy(route(tool.url, guarded=False))
+    missing = b"GET /tools/x HTTP/1.1\r\nConnection: close\r\n\r\n"
+    assert raw_problem(proxy.port, missing) == (400, "invalid-header")
+    two = b"GET /tools/x HTTP/1.1\r\nHost: a\r\nHost: a\r\nConnection: close\r\n\r\n"
+    assert raw_problem(proxy.port, two) == (400, "invalid-header")
+    old = b"GET /tools/x HTTP/1.0\r\n\r\n"
+    assert exchange(proxy.port, old)[0] == 200
+    assert tool.total == 1
