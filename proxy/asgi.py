@@ -17,6 +17,8 @@ from starlette.types import Receive, Scope
 from proxy.errors import CallerLeft, InvalidHeader, InvalidIdempotencyKey
 
 RawHeaders = list[tuple[bytes, bytes]]
+SSE = "text/event-stream"
+"""The media type of an event stream (MCP answers, operation events)."""
 
 # The request headers the proxy itself reads. Each is one value: a repeated line with
 # another value is refused (the proxy would read one, the tool perhaps the other), and

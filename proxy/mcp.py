@@ -43,7 +43,7 @@ from mcp import types
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from proxy.asgi import Incoming, RawHeaders, Reply
+from proxy.asgi import SSE, Incoming, RawHeaders, Reply
 from proxy.config import (
     DEFAULT_MAX_ANSWER_BYTES,
     CachedTools,
@@ -76,7 +76,6 @@ from proxy.replay import REPLAYED_HEADER
 from proxy.store import RecordKey
 
 JSON = "application/json"
-SSE = "text/event-stream"
 # The JSON-RPC error codes of the proxy's refusals (the server range, -32000..-32099).
 IN_PROGRESS = -32010
 ARGS_HASH_MISMATCH = -32011

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from proxy import numbers
 from proxy.admin import AdminAuth
-from proxy.asgi import Incoming
+from proxy.asgi import SSE, Incoming
 from proxy.config import RouteConfig
 from proxy.errors import (
     InvalidField,
@@ -96,7 +96,7 @@ class Operations:
 
     async def show(self, request: Request) -> Response:
         job, _ = await self._job(request)
-        if "text/event-stream" in request.headers.get("accept", ""):
+        if SSE in request.headers.get("accept", ""):
             return self._stream(job, _last_event_id(request))
         if job.state is JobState.COMPLETED:
             return JSONResponse(

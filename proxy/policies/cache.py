@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from proxy.asgi import RawHeaders
+from proxy.asgi import SSE, RawHeaders
 from proxy.background import TaskSet
 from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, CacheScope, RouteConfig, RouteProtocol
 from proxy.errors import (
@@ -67,7 +67,6 @@ _DIGITS = re.compile(r"[0-9]+")
 FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
 
-SSE = "text/event-stream"
 HEADER = b"cache-status"
 HIT = b"tool-proxy; hit"
 _MARK = b"uncacheable"
