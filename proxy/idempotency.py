@@ -395,9 +395,21 @@ class Guard:
         finally:
             self.tasks.leave()
 
-    async def conclude_unknown(self, lease: Lease, exc: OutcomeUnknown) -> None:
-        """Record ``exc``: the outcome of a job's call is unknown (never sent again)."""
-        await self._conclude(lease, Verdict(StoredResponse.of_problem(exc), State.FAILED))
+    async def conclude_unknown(self, lease: Lease, exc: OutcomeUnknown) -> bool:
+        """Record ``exc``: the outcome of a job's call is unknown (never sent again); but
+        never over an outcome its worker recorded meanwhile: False then. A store out of
+        reach raises ``StoreUnavailable`` (the job's next taker concludes it)."""
+        lease.stop()
+        op, payload = lease.op, StoredResponse.of_problem(exc).encode()
+        return await self.store.complete(
+            op.key,
+            lease.owner,
+            op.fingerprint,
+            State.FAILED,
+            payload,
+            self.policy.result_ttl,
+            replace_outcome=False,
+        )
 
     def _check_fingerprint(self, record: Record, op: Operation) -> None:
         if record.fingerprint != op.fingerprint:

@@ -617,20 +617,21 @@ class RouteJobs:
         self, job: Job, op: Operation, owner: str, worker: str
     ) -> None:
         """The worker that ran this job stopped while its call may have been in flight:
-        record the outcome as unknown; the call is never sent again."""
-        record = await self.store.get(op.key)
-        if _recorded(record, owner):  # its worker recorded the outcome, then could not say so
-            assert record is not None
-            await self._ended_as_recorded(job, record.state, record.payload, worker)
-            return
-        self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
+        record the outcome as unknown (unless its worker recorded one: that is kept, in
+        one step with the check); the call is never sent again."""
         unknown = OutcomeUnknown(
             "the proxy running this operation stopped while its call was in flight; it may "
             "have been executed, so it is not sent again",
             status=502,
         )
         lease = self.guard.job_lease(op, owner, asyncio.get_running_loop().time())
-        await self.guard.conclude_unknown(lease, unknown)
+        if not await self.guard.conclude_unknown(lease, unknown):
+            record = await self.store.get(op.key)
+            if _recorded(record, owner):  # recorded by its worker, which could not say so
+                assert record is not None
+                await self._ended_as_recorded(job, record.state, record.payload, worker)
+                return
+        self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
         await self.queue.move(
             job.id, RUNNING | QUEUED, JobState.FAILED, worker=worker, error=_problem(unknown)
         )

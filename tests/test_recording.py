@@ -334,11 +334,11 @@ async def test_a_refused_late_recording_falls_back_to_the_small_form(
     answers: list[Exception | None] = [StoreUnavailable("down"), StoreRefused("OOM"), None]
 
     class Flaky(MemoryStore):
-        async def complete(self, *args: Any) -> bool:
+        async def complete(self, *args: Any, **kwargs: Any) -> bool:
             failure = answers.pop(0) if answers else None
             if failure is not None:
                 raise failure
-            return await super().complete(*args)
+            return await super().complete(*args, **kwargs)
 
     store, log = Flaky(), EventLog()
     guard = make_guard(store, log)

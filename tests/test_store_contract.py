@@ -101,6 +101,29 @@ async def test_failed_is_kept_like_completed(store: Store) -> None:
     assert found.record is not None and found.record.state is State.FAILED
 
 
+async def test_an_outcome_that_must_not_replace_one_is_written_only_where_none_is(
+    store: Store,
+) -> None:
+    """``replace_outcome=False`` (a job's taker concluding "unknown"): over the owner's
+    IN_PROGRESS record, or where the record is gone, it is written; over an outcome the
+    owner recorded meanwhile, it is not, and the outcome stays."""
+    other = RecordKey(KEY.slot, "other")
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"answer", RESULT)
+    unknown = (State.FAILED, b"unknown", RESULT)
+    assert not await store.complete(KEY, "a", "fp", *unknown, replace_outcome=False)
+    kept = await store.get(KEY)
+    assert kept is not None and kept.state is State.COMPLETED and kept.payload == b"answer"
+    await store.claim(other, "fp", "a", LOCK, RESULT)
+    assert await store.complete(other, "a", "fp", *unknown, replace_outcome=False)
+    failed = await store.get(other)
+    assert failed is not None and failed.state is State.FAILED
+    gone = RecordKey(KEY.slot, "gone")
+    assert await store.complete(gone, "a", "fp", *unknown, replace_outcome=False)
+    written = await store.get(gone)
+    assert written is not None and written.payload == b"unknown"
+
+
 async def test_only_the_owner_may_renew_complete_or_release(store: Store) -> None:
     await store.claim(KEY, "fp", "a", LOCK, RESULT)
     assert not await store.renew(KEY, "b", LOCK, RESULT)

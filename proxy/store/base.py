@@ -138,8 +138,12 @@ class Store(Protocol):
         state: State,
         payload: bytes,
         result_ttl: float,
+        *,
+        replace_outcome: bool = True,
     ) -> bool:
-        """Record the outcome (COMPLETED or FAILED); False if another owner holds the record.
+        """Record the outcome (COMPLETED or FAILED); False if another owner holds the record,
+        or, with ``replace_outcome=False``, if the record already holds an outcome (a job's
+        taker concludes "unknown" only where its worker recorded nothing).
 
         If the record is gone (the lease lapsed, or the store lost it) and nobody took the
         key over, the outcome is written anyway: it is the truth, and keeping it is what

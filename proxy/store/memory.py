@@ -119,9 +119,17 @@ class MemoryStore:
         state: State,
         payload: bytes,
         result_ttl: float,
+        *,
+        replace_outcome: bool = True,
     ) -> bool:
         entry = self._live(key)
         if entry is not None and entry.record.owner != owner:
+            return False
+        if (
+            not replace_outcome
+            and entry is not None
+            and entry.record.state is not State.IN_PROGRESS
+        ):
             return False
         wall = time.time()
         created = entry.record.created_at if entry is not None else wall

@@ -161,8 +161,9 @@ return 1
 _COMPLETE = (
     _NOW
     + """
-local r = redis.call('HMGET', KEYS[1], 'ow', 'ct')
+local r = redis.call('HMGET', KEYS[1], 'ow', 'ct', 'st')
 if r[1] and r[1] ~= ARGV[1] then return 0 end
+if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' then return 0 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1],
   'ct', r[2] or now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -406,10 +407,13 @@ class RedisStore:
         state: State,
         payload: bytes,
         result_ttl: float,
+        *,
+        replace_outcome: bool = True,
     ) -> bool:
         record, _, index, member = _names(key)
         keys = [record, index]
-        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member)
+        replace = "1" if replace_outcome else "0"
+        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace)
         return bool(await self._script(_COMPLETE, keys, *args))
 
     async def release(self, key: RecordKey, owner: str) -> bool:

@@ -156,9 +156,19 @@ class SQLiteStore:
         state: State,
         payload: bytes,
         result_ttl: float,
+        *,
+        replace_outcome: bool = True,
     ) -> bool:
         return await self._run(
-            self._transaction, _complete, key, owner, fingerprint, state, payload, result_ttl
+            self._transaction,
+            _complete,
+            key,
+            owner,
+            fingerprint,
+            state,
+            payload,
+            result_ttl,
+            replace_outcome,
         )
 
     async def release(self, key: RecordKey, owner: str) -> bool:
@@ -338,9 +348,12 @@ def _complete(
     state: State,
     payload: bytes,
     result_ttl: float,
+    replace_outcome: bool = True,
 ) -> bool:
     existing = _select(db, now, key)
     if existing is not None and existing.owner != owner:
+        return False
+    if not replace_outcome and existing is not None and existing.state is not State.IN_PROGRESS:
         return False
     created = existing.created_at if existing is not None else now
     db.execute(
