@@ -41,6 +41,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamUnreachable,
 )
+from proxy.fence import Fence
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.idempotency import Guard, Outcome
 from proxy.job_events import Hub
@@ -261,7 +262,7 @@ class Proxy:
         check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
-        principal, identity = ("", "") if route.auth is None else await self._caller(request, route)
+        principal, identity = ("", "") if route.auth is None else await self.caller(request, route)
         view = self.mcp.get(route.name)
         if view is not None:  # JSON-RPC: guard tools/call, pass the rest through (mcp.py)
             exchange = McpExchange(self, request, route, principal, identity)
@@ -277,7 +278,7 @@ class Proxy:
         chain = self.chains.get(route.name)
         if guard is None and not tokened and chain is None:
             trace.outcome = Outcome.PASSED
-            return await self._pass_through(request, route)
+            return await self.pass_through(request, route)
         # read whole: to hash it, or to send it again after a 401 with a new token
         body = await read_body(request, self.max_body)
         op = None
@@ -302,14 +303,16 @@ class Proxy:
                 if answer is not None:
                     trace.outcome = Outcome.ACCEPTED
                     return answer
-        send, context = self._forward(request, route, body, principal, identity, op is not None)
+        fence = None if guard is None or op is None else Fence()
+        send, context = self._forward(request, route, body, principal, identity, fence)
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
-            response = await self._relay(request, await send())
+            response = await self.relay(request, await send())
         else:
+            assert fence is not None
             trace.key = op.label
-            lookup = None if route.reconcile is None else self._lookup(request, route, identity)
-            response, trace.outcome = await guard.run(op, send, lookup)
+            lookup = None if route.reconcile is None else self.lookup(request, route, identity)
+            response, trace.outcome = await guard.run(op, send, fence, lookup)
             if context is not None and context.cached and trace.outcome is Outcome.EXECUTED:
                 trace.outcome = Outcome.CACHED
         return response if context is None else Chain.decorate(context, response)
@@ -321,17 +324,11 @@ class Proxy:
         body: bytes,
         principal: str,
         identity: str,
-        once: bool,
+        fence: Fence | None,
     ) -> tuple[Forward, Context | None]:
-        """The send of a request whose body is read: with the route's downstream token,
-        inside its policies (the context they share), never twice if ``once``."""
-        tokened = self.tokens is not None and self.tokens.applies(route.name)
-
-        def forward() -> Awaitable[UpstreamResponse]:
-            if tokened:
-                return self._forward_with_token(request, route, body, identity, once)
-            return self._send(request, route, body, at_most_once=once)
-
+        """The send of a request whose body is read, inside the route's policies (the
+        context they share)."""
+        forward = self.sender(request, route, body, identity, fence)
         chain = self.chains.get(route.name)
         if chain is None:
             return forward, None
@@ -339,12 +336,33 @@ class Proxy:
         return chain.wrap(context, forward), context
 
     def forwarder(
-        self, request: Incoming, route: RouteConfig, body: bytes, principal: str, identity: str
+        self,
+        request: Incoming,
+        route: RouteConfig,
+        body: bytes,
+        principal: str,
+        identity: str,
+        fence: Fence,
     ) -> Forward:
         """A job's send (``jobs.Forwarder``): a guarded call's, as if it came now."""
-        return self._forward(request, route, body, principal, identity, True)[0]
+        return self._forward(request, route, body, principal, identity, fence)[0]
 
-    def _lookup(self, request: Incoming, route: RouteConfig, identity: str) -> Lookup:
+    def sender(
+        self,
+        request: Incoming,
+        route: RouteConfig,
+        body: bytes,
+        identity: str,
+        fence: Fence | None,
+    ) -> Forward:
+        """The innermost send, which every policy wraps: with the route's downstream
+        token, and, for a guarded call (``fence``), checked by its fence right before each
+        request is written (``fence.py``), never sent twice by the client."""
+        if self.tokens is not None and self.tokens.applies(route.name):
+            return lambda: self._send_with_token(request, route, body, identity, fence)
+        return lambda: self.send(request, route, body, fence=fence)
+
+    def lookup(self, request: Incoming, route: RouteConfig, identity: str) -> Lookup:
         """The route's reconcile look-up for this caller: its Idempotency-Key and its
         credentials (or the route's downstream token), nothing of its body."""
 
@@ -362,8 +380,13 @@ class Proxy:
 
         return lookup
 
-    async def _forward_with_token(
-        self, request: Incoming, route: RouteConfig, body: bytes, identity: str, once: bool
+    async def _send_with_token(
+        self,
+        request: Incoming,
+        route: RouteConfig,
+        body: bytes,
+        identity: str,
+        fence: Fence | None,
     ) -> UpstreamResponse:
         """Send with the route's downstream token. On a 401 the token is dropped (the next
         call gets a new one); with ``token.retry_on_401`` this call is sent once more with
@@ -371,7 +394,7 @@ class Proxy:
         assert self.tokens is not None and route.token is not None
         subject = bearer_token(request.header(b"authorization"))
         token = await self.tokens.token(route.name, identity, subject)
-        upstream = await self._send(request, route, body, authorization=token, at_most_once=once)
+        upstream = await self.send(request, route, body, authorization=token, fence=fence)
         if upstream.status != 401:
             return upstream
         self.tokens.drop(route.name, identity, token)
@@ -379,9 +402,9 @@ class Proxy:
             return upstream  # the tool's answer, recorded like any other
         await upstream.read()
         token = await self.tokens.token(route.name, identity, subject)
-        return await self._send(request, route, body, authorization=token, at_most_once=once)
+        return await self.send(request, route, body, authorization=token, fence=fence)
 
-    async def _caller(self, request: Incoming, route: RouteConfig) -> tuple[str, str]:
+    async def caller(self, request: Incoming, route: RouteConfig) -> tuple[str, str]:
         """The caller's principal and identity digests (both "" when no token is sent and
         none is required): records are scoped by the first, downstream tokens by the second.
 
@@ -403,7 +426,7 @@ class Proxy:
             raise Unauthorized("the token has expired")
         return caller.principal, caller.identity
 
-    def _send(
+    def send(
         self,
         request: Incoming,
         route: RouteConfig,
@@ -411,9 +434,12 @@ class Proxy:
         length: int | None = None,
         authorization: str | None = None,
         *,
-        at_most_once: bool = False,
+        fence: Fence | None = None,
     ) -> Awaitable[UpstreamResponse]:
-        """The upstream exchange (not a coroutine itself: one frame less per await)."""
+        """The upstream exchange (not a coroutine itself: one frame less per await); a
+        guarded call's only if its ``fence`` lets it, and never sent twice by the client."""
+        if fence is not None:
+            fence.check()  # after every wait of the policies: the lease is still ours
         scope = request.scope
         client = scope.get("client")
         headers = request_headers(
@@ -425,20 +451,20 @@ class Proxy:
         )
         url = upstream_url(route, _raw_path(scope), scope["query_string"])
         return self.upstream.send(
-            request.method, url, headers, body, route.timeout, at_most_once=at_most_once
+            request.method, url, headers, body, route.timeout, at_most_once=fence is not None
         )
 
-    async def _pass_through(self, request: Incoming, route: RouteConfig) -> Response:
+    async def pass_through(self, request: Incoming, route: RouteConfig) -> Response:
         declared = request.header(b"content-length")
         if declared is None or (length := whole(declared)) is None or length <= SMALL_BODY_BYTES:
             body = await read_body(request, self.max_body)
-            return await self._relay(request, await self._send(request, route, body))
+            return await self.relay(request, await self.send(request, route, body))
         if length > self.max_body:
             raise RequestTooLarge(f"the body is {length} bytes; the limit is {self.max_body}")
-        upstream = await self._send(request, route, request.chunks(), length)
-        return await self._relay(request, upstream)
+        upstream = await self.send(request, route, request.chunks(), length)
+        return await self.relay(request, upstream)
 
-    async def _relay(self, request: Incoming, upstream: UpstreamResponse) -> Response:
+    async def relay(self, request: Incoming, upstream: UpstreamResponse) -> Response:
         head = request.method == "HEAD"
         if head or (upstream.length is not None and upstream.length <= SMALL_BODY_BYTES):
             return _respond(upstream, await upstream.read(), head)
@@ -479,15 +505,15 @@ class McpExchange:
         return read_body(self.request, self.proxy.max_body)
 
     def forward(
-        self, body: bytes, *, once: bool, policies: bool = False, call: Call | None = None
+        self,
+        body: bytes,
+        *,
+        fence: Fence | None = None,
+        policies: bool = False,
+        call: Call | None = None,
     ) -> Awaitable[UpstreamResponse]:
         proxy, request, route = self.proxy, self.request, self.route
-
-        def send() -> Awaitable[UpstreamResponse]:
-            if proxy.tokens is not None and proxy.tokens.applies(route.name):
-                return proxy._forward_with_token(request, route, body, self.identity, once)
-            return proxy._send(request, route, body, at_most_once=once)
-
+        send = proxy.sender(request, route, body, self.identity, fence)
         chain = proxy.chains.get(route.name) if policies else None
         if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
@@ -495,19 +521,19 @@ class McpExchange:
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
-        return self.proxy._relay(self.request, upstream)
+        return self.proxy.relay(self.request, upstream)
 
     async def pass_through(self, route: RouteConfig) -> Response:
         proxy, name = self.proxy, route.name
         self.route = route  # a GET stream's: the same route with a longer timeout
         if proxy.tokens is None or not proxy.tokens.applies(name):
-            return await proxy._pass_through(self.request, route)
-        return await self.relay(await self.forward(await self.read(), once=False))
+            return await proxy.pass_through(self.request, route)
+        return await self.relay(await self.forward(await self.read()))
 
     def lookup(self) -> Lookup | None:
         if self.route.reconcile is None:
             return None
-        return self.proxy._lookup(self.request, self.route, self.identity)
+        return self.proxy.lookup(self.request, self.route, self.identity)
 
     @property
     def cached(self) -> bool:
@@ -659,7 +685,7 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
                 proxy.jobs,
                 proxy.queue,
                 proxy.hub,
-                proxy._caller,
+                proxy.caller,
                 None if config.admin is None else AdminAuth(config.admin, proxy.auth),
             ),
         ],

@@ -74,8 +74,10 @@ DEFAULT_REFRESH_AHEAD = 0.8
 DEFAULT_JWKS_TTL = 300.0
 # How long a presigned URL of an offloaded body (offload.presign) stays valid.
 DEFAULT_PRESIGN_TTL = 300.0
-# Upstream statuses that are passed on but release the key, so a retry executes.
-DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
+# Upstream statuses that are passed on but release the key, so a retry executes: only
+# those that mean "not run". 502 and 504 are opt-in: behind an ingress, a mesh or a load
+# balancer they come after the tool may have run the call.
+DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 503)
 # The JWT claim holding an operator's roles (admin.role must be one of them).
 DEFAULT_ROLES_CLAIM = "roles"
 

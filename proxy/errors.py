@@ -40,8 +40,10 @@ talks to the foreign library, with ``raise ... from exc``.
     │   └── KeyReusedWithOtherBody          422  a key sent again with another request
     ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
-    │   └── McpRefused                      4xx  an MCP server refused a tools/call at the
-    │                                            HTTP level (its answer is sent on): released
+    │   ├── McpRefused                      4xx  an MCP server refused a tools/call at the
+    │   │                                        HTTP level (its answer is sent on): released
+    │   └── LeaseLost                       502  the call's lease lapsed or was taken over
+    │                                            before the send: not sent, key released
     ├── OutcomeUnknown                      502/504  the request may have run, no answer
     ├── NotExecuted                         502/504  the tool says it did not run: released
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
@@ -384,6 +386,15 @@ class McpRefused(UpstreamUnreachable):
     def __init__(self, detail: str, answer: Any) -> None:
         super().__init__(detail)
         self.answer = answer
+
+
+class LeaseLost(UpstreamUnreachable):
+    """A guarded call's lease lapsed, or was taken over by another attempt, while the call
+    waited to be sent (a resource lock, a limit, a token fetch, a stall of this process):
+    it was not sent, and nothing is recorded over the record's new owner."""
+
+    slug = "lease-lost"
+    title = "Not sent: the call's lease was lost"
 
 
 class OutcomeUnknown(ProxyError):

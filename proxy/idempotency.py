@@ -43,6 +43,7 @@ from proxy.config import DEFAULT_OFFLOAD_THRESHOLD, IdempotencyConfig, LapsedLea
 from proxy.errors import (
     NOT_SENT,
     KeyReusedWithOtherBody,
+    LeaseLost,
     NotExecuted,
     OffloadUnavailable,
     OutcomeUnknown,
@@ -51,8 +52,8 @@ from proxy.errors import (
     ResponseNotStored,
     StoreRefused,
     StoreUnavailable,
-    UpstreamUnreachable,
 )
+from proxy.fence import Fence
 from proxy.forwarding import UpstreamResponse
 from proxy.journal import Entry, Journal
 from proxy.metrics import Metrics
@@ -199,7 +200,17 @@ class Tee:
 class Lease:
     """One claim held by a call in this process; ``stop`` ends its renewals."""
 
-    __slots__ = ("_leases", "lookup", "op", "owner", "released", "retain", "stopped", "valid_until")
+    __slots__ = (
+        "_leases",
+        "lookup",
+        "lost",
+        "op",
+        "owner",
+        "released",
+        "retain",
+        "stopped",
+        "valid_until",
+    )
 
     def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
         self._leases = leases
@@ -213,6 +224,26 @@ class Lease:
         self.lookup: Lookup | None = None
         self.valid_until = math.inf
         """Until when this process may take the lease to be its own (the loop's clock)."""
+        self.lost = False
+        """Set by a renewal that found the record no longer this lease's."""
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless the call may still be sent under this lease (the
+        fence, ``fence.py``): not if a renewal found it taken over, nor once it may have
+        lapsed (this process stalled, or could not renew it, for most of lock_ttl)."""
+        if self.lost:
+            self._leases.lapsed(self, "taken_over")
+            raise LeaseLost(
+                "this call's key was taken over by another attempt while the call waited "
+                "to be sent (its lease lapsed): it was not sent; a retry replays the other "
+                "attempt's outcome"
+            )
+        if asyncio.get_running_loop().time() > self.valid_until:
+            self._leases.lapsed(self, "lapsed")
+            raise LeaseLost(
+                "this call waited to be sent (a lock, a limit, a token, a stall) longer "
+                "than its lease could be kept (lock_ttl): it was not sent; retry it"
+            )
 
     def stop(self) -> None:
         """No more renewals."""
@@ -249,6 +280,13 @@ class Leases:
     def drop(self, lease: Lease) -> None:
         self._held.discard(lease)
 
+    def lapsed(self, lease: Lease, how: str) -> None:
+        """Log a call refused by its fence (``how``: lapsed, taken_over)."""
+        guard = self._guard
+        guard.log.error(
+            "lease_lost_before_sending", route=guard.route.name, key=lease.op.label, how=how
+        )
+
     def _tick(self) -> None:
         self._timer = None
         if not self._held:
@@ -273,6 +311,7 @@ class Leases:
         if held:
             lease.valid_until = sent + guard.policy.lock_ttl * LEASE_SAFETY
         if not held and not lease.stopped:  # stopped: recorded or released meanwhile
+            lease.lost = True  # the fence refuses to send it now
             self.drop(lease)
             guard.log.warning("lease_lost", route=guard.route.name, key=op.label)
 
@@ -321,10 +360,11 @@ class Guard:
         return method in self._methods
 
     async def run(
-        self, op: Operation, forward: Forward, lookup: Lookup | None = None
+        self, op: Operation, forward: Forward, fence: Fence, lookup: Lookup | None = None
     ) -> tuple[Response, Outcome]:
-        """Execute once, replay, or refuse as a conflict. ``lookup`` sends the route's
-        reconcile look-up (with the caller's credentials), when it has one."""
+        """Execute once, replay, or refuse as a conflict. ``forward`` checks ``fence``
+        right before it sends (``fence.py``); ``lookup`` sends the route's reconcile
+        look-up (with the caller's credentials), when it has one."""
         owner = OWNERS.new()
         policy = self.policy
         loop = asyncio.get_running_loop()
@@ -359,6 +399,7 @@ class Guard:
             )
         lease = self._leases.hold(op, owner, started)
         lease.lookup = lookup
+        fence.arm(lease)
         self.tasks.enter()
         try:
             return await self._execute(lease, forward)
@@ -387,8 +428,12 @@ class Guard:
         lease.retain = True
         return lease
 
-    async def execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
-        """Forward a job's call under ``lease`` and conclude its record."""
+    async def execute(
+        self, lease: Lease, forward: Forward, fence: Fence
+    ) -> tuple[Response, Outcome]:
+        """Forward a job's call under ``lease`` (``forward`` checks ``fence`` right before
+        it sends) and conclude its record."""
+        fence.arm(lease)
         self.tasks.enter()
         try:
             return await self._execute(lease, forward)
@@ -436,8 +481,7 @@ class Guard:
     async def _execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
         """Forward the claimed call and conclude its record."""
         try:
-            self._check_lease(lease)
-            upstream = await forward()
+            upstream = await forward()  # the fence is checked at the send, after every wait
         except NOT_SENT:
             await self._conclude(lease, RELEASE)
             raise
@@ -487,17 +531,6 @@ class Guard:
         finally:
             if isinstance(body, Spool):
                 body.close()
-
-    def _check_lease(self, lease: Lease) -> None:
-        """Refuse to send a call whose lease may have lapsed (this process stalled since
-        its claim): another call may have taken the key over, or a reconcile look-up may
-        have found nothing and released it."""
-        if asyncio.get_running_loop().time() > lease.valid_until:
-            self.log.error("lease_lapsed_before_sending", route=self.route.name, key=lease.op.label)
-            raise UpstreamUnreachable(
-                "the proxy stalled between the claim and the send, longer than lock_ttl: "
-                "the call was not sent; retry it"
-            )
 
     def _lost(self, lease: Lease, how: str, why: str) -> OutcomeUnknown:
         """The proxy itself ``how`` (failed, cancelled) while the call was in flight: the

@@ -50,6 +50,7 @@ from proxy.errors import (
     StoreUnavailable,
     Unauthorized,
 )
+from proxy.fence import Fence
 from proxy.idempotency import OWNERS, Guard, Lease, Outcome, job_record_ttl
 from proxy.job_events import Hub
 from proxy.offload import ObjectRef, Offload
@@ -73,8 +74,8 @@ RUNNING = frozenset({JobState.RUNNING})
 DEAD = frozenset({JobState.DEAD})
 NEVER_RAN = frozenset({JobState.CANCELLED, JobState.DEAD})
 
-Forwarder = Callable[[Incoming, RouteConfig, bytes, str, str], Callable[[], Awaitable[Any]]]
-"""``(request, route, body, principal, identity) -> forward``: the live path's send,
+Forwarder = Callable[[Incoming, RouteConfig, bytes, str, str, Fence], Callable[[], Awaitable[Any]]]
+"""``(request, route, body, principal, identity, fence) -> forward``: the live path's send,
 with its tokens and policies (``app.Proxy.forwarder``)."""
 
 
@@ -498,10 +499,11 @@ class RouteJobs:
         self, job: Job, request: StoredRequest, body: bytes, lease: Lease, worker: str
     ) -> None:
         incoming = Incoming.of(dict(request.scope), _no_body)
-        forward = self.forwarder(incoming, self.route, body, job.principal, request.identity)
+        fence = Fence()
+        forward = self.forwarder(incoming, self.route, body, job.principal, request.identity, fence)
         refusal: ProxyError | None = None
         try:
-            response, outcome = await self.guard.execute(lease, forward)
+            response, outcome = await self.guard.execute(lease, forward, fence)
         except NOT_SENT as exc:
             refusal, response, outcome = exc, None, Outcome.RELEASED
         error = b""

@@ -64,6 +64,7 @@ from proxy.errors import (
     RequestInProgress,
     ResponseNotStored,
 )
+from proxy.fence import Fence
 from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import Forward, Guard, Outcome
 from proxy.keys import Canonicalization, KeyKind, canonical_json, parse_composite, parse_opaque
@@ -119,11 +120,17 @@ class Exchange(Protocol):
         """The whole request body (within limits.max_body_bytes)."""
 
     def forward(
-        self, body: bytes, *, once: bool, policies: bool = False, call: Call | None = None
+        self,
+        body: bytes,
+        *,
+        fence: Fence | None = None,
+        policies: bool = False,
+        call: Call | None = None,
     ) -> Awaitable[UpstreamResponse]:
-        """Send the request with ``body``; ``once``: a guarded call, never sent twice;
-        ``policies``: a ``tools/call``, which the route's policies (limits, locks) apply to;
-        ``call``: one the route's cache may answer."""
+        """Send the request with ``body``; ``fence``: a guarded call's, checked right
+        before it is sent (never sent twice); ``policies``: a ``tools/call``, which the
+        route's policies (limits, locks) apply to; ``call``: one the route's cache may
+        answer."""
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
         """The upstream's answer, unchanged."""
@@ -272,7 +279,7 @@ class McpView:
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
             return await self._unguarded(request, exchange, call, body)
-        upstream = await exchange.forward(body, once=False)
+        upstream = await exchange.forward(body)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
 
     async def _unguarded(
@@ -282,7 +289,7 @@ class McpView:
         (rate limited, resource locked, ...) is the call's JSON-RPC error."""
         cached = self.caching(request, call)
         try:
-            upstream = await exchange.forward(body, once=False, policies=True, call=cached)
+            upstream = await exchange.forward(body, policies=True, call=cached)
         except ProxyError as exc:
             return Handled(refusal(call.id, exc), Outcome.REJECTED)
         return Handled(await exchange.relay(upstream), Outcome.PASSED)
@@ -294,7 +301,7 @@ class McpView:
 
     async def _listed(self, exchange: Exchange, body: bytes) -> Response:
         """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
-        upstream = await exchange.forward(body, once=False)
+        upstream = await exchange.forward(body)
         raw = await upstream.read()
         if upstream.status == 200:
             answer = _final_response(raw, _content_type(upstream.headers))
@@ -334,11 +341,13 @@ class McpView:
 
         cached = self.caching(request, call)
 
+        fence = Fence()
+
         async def forward() -> UpstreamResponse:
-            sent = await exchange.forward(body, once=True, policies=True, call=cached)
+            sent = await exchange.forward(body, fence=fence, policies=True, call=cached)
             return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
 
-        attempt = self._attempt(op, forward, exchange.lookup())
+        attempt = self._attempt(op, forward, fence, exchange.lookup())
         if progress is None:  # JSON only: the answer once it is had whole
             return await _concluded(await attempt, call.id, accept, session, op.label)
         # The call runs in a task of its own: its SSE answer may start (progress) before it
@@ -352,11 +361,13 @@ class McpView:
             progress.response(run, call.id, accept, session, op.label), Outcome.EXECUTED, op.label
         )
 
-    async def _attempt(self, op: Operation, forward: Forward, lookup: Lookup | None) -> Attempt:
+    async def _attempt(
+        self, op: Operation, forward: Forward, fence: Fence, lookup: Lookup | None
+    ) -> Attempt:
         """The state machine's answer, or its refusal as a value."""
         assert self.guard is not None
         try:
-            return await self.guard.run(op, forward, lookup)
+            return await self.guard.run(op, forward, fence, lookup)
         except ProxyError as exc:
             return exc
 

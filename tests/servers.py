@@ -361,3 +361,74 @@ def running(server: ThreadServer) -> Iterator[ThreadServer]:
         yield server
     finally:
         server.stop()
+
+
+class Relay:
+    """A TCP relay on a free port to a server on this machine, that a test can ``cut``
+    (every connection dropped, new ones closed at once: a partition from one client's
+    side only) and ``mend``."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._cut = False
+        self._open: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    def url(self, scheme: str = "redis", path: str = "/0") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}{path}"
+
+    def start(self) -> Relay:
+        self.thread.start()
+        self._call(self._listen())
+        return self
+
+    def cut(self) -> None:
+        self._call(self._set_cut(True))
+
+    def mend(self) -> None:
+        self._call(self._set_cut(False))
+
+    def stop(self) -> None:
+        self._call(self._close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _set_cut(self, cut: bool) -> None:
+        self._cut = cut
+        if cut:
+            for writer in list(self._open):
+                writer.transport.abort()
+            self._open.clear()
+
+    async def _close(self) -> None:
+        await self._set_cut(True)
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._cut:
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._open.update((writer, up_writer))
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await reader.read(65536):
+                writer.write(chunk)
+                await writer.drain()
+        finally:
+            self._open.discard(writer)
+            writer.transport.abort()

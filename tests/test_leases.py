@@ -13,7 +13,7 @@ from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
-from tests.guards import OP, EventLog, make_guard
+from tests.guards import OP, EventLog, make_guard, run
 
 pytestmark = pytest.mark.anyio
 
@@ -88,7 +88,7 @@ async def test_an_answer_the_proxy_fails_to_keep_is_recorded_as_not_stored(
 
     monkeypatch.setattr(guard, "_inline", broken)
     op = OP
-    response, outcome = await guard.run(op, forward)
+    response, outcome = await run(guard, op, forward)
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
     record = await store.get(op.key)
     assert record is not None and record.state is State.COMPLETED
@@ -113,7 +113,7 @@ async def test_a_recording_that_fails_unexpectedly_stops_the_renewals(
 
     monkeypatch.setattr(store, "complete", broken)
     op = OP
-    response, outcome = await guard.run(op, forward)
+    response, outcome = await run(guard, op, forward)
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
     assert [StoredResponse.decode(p).status for p in attempts] == [200, 410]
     assert log.events[-1] == "outcome_not_recorded"
@@ -132,7 +132,7 @@ async def test_a_failure_of_the_proxys_own_in_flight_is_recorded_as_outcome_unkn
         raise RuntimeError("a bug")
 
     op = OP
-    response, outcome = await guard.run(op, broken)
+    response, outcome = await run(guard, op, broken)
     assert (response.status_code, outcome) == (502, Outcome.FAILED)
     record = await store.get(op.key)
     assert record is not None and record.state is State.FAILED
@@ -153,7 +153,7 @@ async def test_a_call_cancelled_in_flight_is_recorded_as_outcome_unknown() -> No
         raise AssertionError("not cancelled")
 
     op = OP
-    call = asyncio.ensure_future(guard.run(op, slow))
+    call = asyncio.ensure_future(run(guard, op, slow))
     await sent.wait()
     call.cancel()
     with pytest.raises(asyncio.CancelledError):

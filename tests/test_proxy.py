@@ -152,6 +152,26 @@ def test_release_on_status_lets_the_retry_execute(
     assert tool.count(key) == 2
 
 
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_gateways_502_or_504_is_recorded_by_default_never_run_again(
+    tool: CountingTool, make_proxy: ProxyFactory, status: int
+) -> None:
+    """Behind an ingress or a mesh a 502/504 can come after the tool ran the call: by
+    default it is the call's outcome, replayed; releasing on it is opt-in."""
+    proxy = make_proxy(route(tool.url))
+    key = new_key(BODY)
+    first = post(f"{proxy.url}/tools/x?status={status}", key=key)
+    retry = post(f"{proxy.url}/tools/x?status={status}", key=key)
+    assert first.status_code == retry.status_code == status
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+    opted = make_proxy(route(tool.url, name="opt", release_on_status=[status]))
+    other = new_key(BODY, step=2)
+    for _ in range(2):
+        assert post(f"{opted.url}/tools/x?status={status}", key=other).status_code == status
+    assert tool.count(other) == 2
+
+
 def test_unreachable_upstream_releases_the_key(make_proxy: ProxyFactory) -> None:
     proxy = make_proxy(route(f"http://127.0.0.1:{free_port()}"))
     key = new_key(BODY)

@@ -29,7 +29,7 @@ from proxy.store import RecordKey, State
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SQLiteStore
 from tests.conftest import new_key, route
-from tests.guards import OP, EventLog, make_guard
+from tests.guards import OP, EventLog, make_guard, run
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
 pytestmark = pytest.mark.anyio
@@ -95,7 +95,7 @@ async def test_an_outcome_sqlite_refuses_is_recorded_as_executed_not_kept(
     guard = make_guard(store, log, metrics)
     body = os.urandom(limit + 1000) if not streamed else os.urandom(3 * limit)
     try:
-        response, outcome = await guard.run(OP, answering(body, streamed=streamed))
+        response, outcome = await run(guard, OP, answering(body, streamed=streamed))
         assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
         assert await body_of(response) == body  # the caller gets the tool's answer
         await guard.tasks.drain(5)
@@ -128,7 +128,7 @@ async def test_redis_refusing_every_write_is_a_critical_event_not_a_500(
         return Answer(b'{"charged": 42}')
 
     try:
-        response, outcome = await guard.run(OP, forward)
+        response, outcome = await run(guard, OP, forward)
         assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
         assert bytes(response.body) == b'{"charged": 42}'
         assert log.events[-3:] == ["outcome_refused", "response_not_stored", "outcome_not_recorded"]
@@ -152,7 +152,7 @@ async def test_an_unexpected_failure_while_streaming_is_recorded_not_lost(
 
     monkeypatch.setattr(guard, "_inline", broken)
     body = os.urandom(300_000)
-    response, outcome = await guard.run(OP, answering(body, streamed=True))
+    response, outcome = await run(guard, OP, answering(body, streamed=True))
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
     assert await body_of(response) == body
     await guard.tasks.drain(5)
@@ -176,7 +176,7 @@ async def test_a_failed_recording_of_an_unknown_outcome_stops_the_renewals(
         raise OutcomeUnknown("no answer in time", status=504)
 
     monkeypatch.setattr(store, "complete", broken)
-    response, outcome = await guard.run(OP, times_out)
+    response, outcome = await run(guard, OP, times_out)
     assert (response.status_code, outcome) == (504, Outcome.FAILED)
     assert "outcome_not_recorded" in log.events
     assert not guard._leases._held
@@ -195,7 +195,7 @@ async def test_a_cut_body_with_a_release_status_still_releases() -> None:
         answer.status = 503
         return answer
 
-    response, outcome = await guard.run(OP, forward)
+    response, outcome = await run(guard, OP, forward)
     assert (response.status_code, outcome) == (502, Outcome.RELEASED)
     assert await store.get(OP.key) is None  # a retry executes
 
@@ -283,7 +283,7 @@ async def test_a_release_the_store_cannot_take_is_journaled_and_applied_later(
         answer.status = 503
         return answer
 
-    response, outcome = await guard.run(OP, busy)
+    response, outcome = await run(guard, OP, busy)
     assert (response.status_code, outcome) == (503, Outcome.RELEASED)
     assert "release_failed" in log.events and len(journal) == 1
     record = await store.get(OP.key)
@@ -316,9 +316,9 @@ async def test_a_call_is_not_sent_when_the_proxy_stalled_past_its_lease() -> Non
     from proxy.errors import UpstreamUnreachable
 
     with pytest.raises(UpstreamUnreachable):
-        await guard.run(OP, forward)
+        await run(guard, OP, forward)
     assert sent == []
-    assert "lease_lapsed_before_sending" in log.events
+    assert "lease_lost_before_sending" in log.events
     assert await store.get(OP.key) is None  # released: nothing was sent
 
 
@@ -342,7 +342,7 @@ async def test_a_refused_late_recording_falls_back_to_the_small_form(
 
     store, log = Flaky(), EventLog()
     guard = make_guard(store, log)
-    response, outcome = await guard.run(OP, answering(b'{"ok": true}'))
+    response, outcome = await run(guard, OP, answering(b'{"ok": true}'))
     assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
     assert await guard.tasks.drain(5)
     record = await store.get(OP.key)
@@ -369,7 +369,7 @@ async def test_a_call_cancelled_during_its_reconcile_lookup_is_still_recorded() 
         await asyncio.sleep(30)
         raise AssertionError("not cancelled")
 
-    call = asyncio.ensure_future(guard.run(OP, times_out, lookup))
+    call = asyncio.ensure_future(run(guard, OP, times_out, lookup))
     await asking.wait()
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -399,5 +399,5 @@ async def test_a_lapsed_lease_is_seen_even_when_result_ttl_equals_lock_ttl() -> 
         seen.append(await store.get(OP.key))
         raise RuntimeError("stop here")
 
-    await guard.run(OP, dies_mid_call)
+    await run(guard, OP, dies_mid_call)
     assert seen[0] is not None and seen[0].state is State.IN_PROGRESS

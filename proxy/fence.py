@@ -1,0 +1,44 @@
+"""The fence: the last check before a guarded call's bytes go to the tool.
+
+A guarded call holds a lease on its key (``idempotency.Lease``), renewed while it runs.
+Between the claim and the send the route's policies may wait far longer than the lease
+lasts: a resource lock, a rate limit, the cache's wait for an identical call, a
+downstream token fetch, the resend after a 401. So the lease is checked here, by the
+innermost send (``app.Proxy.sender``), right before the request is written, after every
+wait; a call whose lease lapsed or was taken over meanwhile is not sent (``LeaseLost``,
+one of the "nothing sent" errors: the key is released by its owner only, so nothing is
+recorded or released over another attempt's record).
+
+    claim ──▶ Fence.arm(lease) ──▶ cache ▶ lock ▶ versioning ▶ limits ▶ token ──▶ check ──▶ send
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from proxy.errors import LeaseLost
+
+
+class Leased(Protocol):
+    """What the fence checks: a lease that raises ``LeaseLost`` once it is not held."""
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless the lease is still this call's."""
+
+
+class Fence:
+    """One guarded call's fence, armed with its lease once the key is claimed."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self) -> None:
+        self.lease: Leased | None = None
+
+    def arm(self, lease: Leased) -> None:
+        self.lease = lease
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless the call may be sent now."""
+        if self.lease is None:  # never sent without a claim
+            raise LeaseLost("the call was not claimed before it was sent: it was not sent")
+        self.lease.check()
