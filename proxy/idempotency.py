@@ -70,6 +70,9 @@ Forward = Callable[[], Awaitable[UpstreamResponse]]
 CONFLICT_POLL_SECONDS = 0.05
 # Pause between attempts to record an outcome while the store is unreachable.
 RECORD_RETRY_SECONDS = 0.5
+# The longest an outcome the store refused or could not be reached for is asked for again
+# while its lease is still renewed (at least lock_ttl): retries get 409 meanwhile.
+RECORD_PERSIST_SECONDS = 60.0
 # The share of lock_ttl, counted from when a claim or renewal was sent, during which this
 # process takes its lease to be alive; past it, a call not yet sent is not sent at all.
 LEASE_SAFETY = 0.9
@@ -776,32 +779,37 @@ class Guard:
         try:
             await self._complete(lease, state, payload)
         except StoreRefused as exc:
-            await self._record_refused(lease, state, exc)
+            await self._record_refused(lease, state, payload, exc)
             return
         except StoreUnavailable as exc:
             await self._keep_for_later(lease, state, payload, exc)
             return
         except Exception as exc:  # a bug, or a store that broke its contract
-            await self._record_refused(lease, state, exc)
+            await self._record_refused(lease, state, payload, exc)
             return
         lease.stop()
 
-    async def _record_refused(self, lease: Lease, state: State, exc: Exception) -> None:
+    async def _record_refused(
+        self, lease: Lease, state: State, payload: bytes, exc: Exception
+    ) -> None:
         """The store refused the outcome (or failed on it): record the small "executed,
-        not kept" outcome instead, once."""
+        not kept" outcome instead (a FAILED one is small already). A store that refuses
+        even that (out of memory: the refused command's own buffers count against its
+        limit) is asked again in the background while the lease is ours: retries get 409
+        meanwhile, then 410, never "unknown" for a call the proxy knows ran."""
         self._event(lease, "refused")
         self.log.error(
             "outcome_refused", route=self.route.name, key=lease.op.label, error=_reason(exc)
         )
-        if state is State.FAILED:  # already small: a smaller one would not pass either
-            raise exc
-        payload = self._not_kept(lease, exc).encode()
+        if state is not State.FAILED:
+            state, payload = State.COMPLETED, self._not_kept(lease, exc).encode()
         try:
-            await self._complete(lease, State.COMPLETED, payload)
+            await self._complete(lease, state, payload)
         except StoreRefused:
-            raise
+            self.tasks.spawn(self._record_later(lease, state, payload))
+            return
         except StoreUnavailable as again:
-            await self._keep_for_later(lease, State.COMPLETED, payload, again)
+            await self._keep_for_later(lease, state, payload, again)
             return
         lease.stop()
 
@@ -861,24 +869,30 @@ class Guard:
         return True
 
     async def _record_later(self, lease: Lease, state: State, payload: bytes) -> None:
+        """Ask the store again, every RECORD_RETRY_SECONDS, while the lease lasts: for
+        lock_ttl, and longer while renewals keep it (RECORD_PERSIST_SECONDS at most), not
+        once a renewal found it taken over. A refused outcome is asked for in its small
+        form."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.policy.lock_ttl
+        started = loop.time()
         try:
-            while loop.time() < give_up:
+            while not lease.lost and loop.time() < min(
+                max(started + self.policy.lock_ttl, lease.valid_until),
+                started + RECORD_PERSIST_SECONDS,
+            ):
                 await asyncio.sleep(RECORD_RETRY_SECONDS)
                 try:
                     await self._complete(lease, state, payload)
                 except StoreRefused as exc:
-                    if state is State.FAILED or payload.startswith(b"v2 410"):
-                        raise
-                    payload = self._not_kept(lease, exc).encode()  # once, in its small form
+                    if state is State.COMPLETED and not payload.startswith(b"v2 410"):
+                        payload = self._not_kept(lease, exc).encode()  # in its small form
                     continue
                 except StoreUnavailable:
                     continue
                 self._event(lease, "recorded_late")
                 self.log.info("outcome_recorded_late", route=self.route.name, key=lease.op.label)
                 return
-            self._not_recorded(lease, "the store stayed unreachable for lock_ttl")
+            self._not_recorded(lease, "the store did not take it while the lease was ours")
         except Exception as exc:
             self._not_recorded(lease, _reason(exc))
         finally:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,8 @@ class CountingTool:
         self.requests: list[dict[str, Any]] = []
         self.in_flight = 0
         self.most_in_flight = 0
+        self.before: Callable[[], None] | None = None
+        """Called as each request arrives (e.g. to inject a fault while the tool works)."""
         self.app = Starlette(
             routes=[
                 Route(
@@ -127,6 +129,8 @@ class CountingTool:
             return Response(b'{"error":"invalid_token"}', 401, media_type="application/json")
         key = request.headers.get("idempotency-key") or request.url.path
         self.arrived[key] += 1
+        if self.before is not None:
+            self.before()
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -110,18 +112,20 @@ async def test_an_outcome_sqlite_refuses_is_recorded_as_executed_not_kept(
 
 
 async def test_redis_refusing_every_write_is_a_critical_event_not_a_500(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """NOREPLICAS refuses the outcome and its small form alike: the caller still gets
-    the tool's answer, the loss is a critical log line and a metric, and the lease is not
-    renewed for ever."""
+    the tool's answer; the small form is asked for again while the lease lasts, then the
+    loss is a critical log line and a metric, and the lease is not renewed for ever."""
+    import proxy.idempotency as idempotency
     from proxy.store.redis import RedisStore
 
+    monkeypatch.setattr(idempotency, "RECORD_RETRY_SECONDS", 0.05)
     server = RedisServer().start()
     store = RedisStore(server.url)
     admin = redis.Redis.from_url(server.url)
     log, metrics = EventLog(), Metrics()
-    guard = make_guard(store, log, metrics)
+    guard = make_guard(store, log, metrics, lock_ttl=0.6)
 
     async def forward() -> UpstreamResponse:
         admin.config_set("min-replicas-to-write", 1)  # while the tool works
@@ -131,7 +135,9 @@ async def test_redis_refusing_every_write_is_a_critical_event_not_a_500(
         response, outcome = await run(guard, OP, forward)
         assert (response.status_code, outcome) == (200, Outcome.EXECUTED)
         assert bytes(response.body) == b'{"charged": 42}'
-        assert log.events[-3:] == ["outcome_refused", "response_not_stored", "outcome_not_recorded"]
+        assert await guard.tasks.drain(10)
+        ending = [e for e in log.events if e != "lease_renewal_failed"][-3:]
+        assert ending == ["outcome_refused", "response_not_stored", "outcome_not_recorded"]
         assert events(metrics, "not_recorded") == 1
         assert not guard._leases._held
     finally:
@@ -401,3 +407,50 @@ async def test_a_lapsed_lease_is_seen_even_when_result_ttl_equals_lock_ttl() -> 
 
     await run(guard, OP, dies_mid_call)
     assert seen[0] is not None and seen[0].state is State.IN_PROGRESS
+
+
+def test_an_answer_redis_has_no_memory_for_is_recorded_not_kept_not_unknown(
+    make_proxy: Any, tool: CountingTool
+) -> None:
+    """Redis with ``noeviction`` over its limit while the tool answers 8 MB: the answer
+    is refused, and so is its small "executed, not kept" form until Redis has memory
+    again (the refused command's buffers count against the limit). The small form is
+    asked for again while the lease lasts: retries get 409 meanwhile, then 410, never an
+    unknown outcome for a call the proxy knows ran."""
+    server = RedisServer().start()
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.config_set("maxmemory-policy", "noeviction")
+        proxy = make_proxy(route(tool.url, lock_ttl="3s"), store=server.url)
+        key = new_key({"report": "big"})
+        headroom = int(admin.info("memory")["used_memory"]) + 4 * 1024 * 1024
+
+        def tighten() -> None:  # while the tool works: over the limit for a while
+            admin.config_set("maxmemory", 1)
+            threading.Timer(1.5, admin.config_set, ("maxmemory", headroom)).start()
+
+        tool.before = tighten
+        first = httpx.post(
+            f"{proxy.url}/tools/x?size=8000000",
+            json={"report": "big"},
+            headers={"Idempotency-Key": key},
+            timeout=30,
+        )
+        assert first.status_code == 200 and len(first.content) == 8_000_000
+        deadline = time.monotonic() + 20
+        while True:
+            retry = httpx.post(
+                f"{proxy.url}/tools/x?size=8000000",
+                json={"report": "big"},
+                headers={"Idempotency-Key": key},
+                timeout=30,
+            )
+            if retry.status_code != 409 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert retry.status_code == 410, retry.text
+        assert retry.json()["type"] == "urn:tool-proxy:problem:response-not-stored"
+        assert tool.count(key) == 1
+    finally:
+        admin.close()
+        server.stop()

@@ -39,7 +39,7 @@ from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -519,6 +519,8 @@ class RedisStore:
 def _translated(exc: ResponseError) -> StoreUnavailable:
     """An error reply: a refusal (``StoreRefused``) or the store unusable for now."""
     message = str(exc)
+    if isinstance(exc, OutOfMemoryError):  # redis-py strips its "OOM" from the message
+        return StoreRefused(f"redis store: OOM {message}")
     kind = StoreRefused if message.startswith(REFUSALS) else StoreUnavailable
     return kind(f"redis store: {message}")
 
