@@ -33,7 +33,6 @@ import structlog
 
 from proxy import forwarding, logs
 from proxy.app import App, create_app
-from proxy.asgi import RawHeaders
 from proxy.config import parse_config
 from proxy.keys import composite_key
 
@@ -87,9 +86,6 @@ class CannedUpstream(forwarding.Upstream):
 
 
 class CannedResponse(forwarding.UpstreamResponse):
-    def __init__(self, status: int, headers: RawHeaders, length: int) -> None:
-        super().__init__(status, headers, length, None)  # type: ignore[arg-type]
-
     async def read(self) -> bytes:
         return ANSWER
 

@@ -129,29 +129,45 @@ def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> RawHeaders:
 
 @dataclass(slots=True)
 class UpstreamResponse:
-    """An upstream answer whose body is still to be read (``read`` or ``stream``)."""
+    """An answer whose body is still to be read (``read`` or ``stream``): the tool's
+    (``ToolAnswer``), or one a policy wraps (to learn when it is read) or makes (a cached
+    answer, an MCP result read whole)."""
 
     status: int
     headers: RawHeaders
     length: int | None
-    _response: aiohttp.ClientResponse
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        raise NotImplementedError
+
+    def stream(self) -> AsyncIterator[bytes]:
+        """The body chunk by chunk."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class ToolAnswer(UpstreamResponse):
+    """The tool's answer, as aiohttp has it (its connection back to the pool once read)."""
+
+    response: aiohttp.ClientResponse
 
     async def read(self) -> bytes:
         """The whole body; the connection goes back to the pool."""
         try:
             with _translated():
-                return await self._response.read()
+                return await self.response.read()
         finally:
-            self._response.release()
+            self.response.release()
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The body chunk by chunk; the connection goes back to the pool at the end."""
         try:
             with _translated():
-                async for chunk in self._response.content.iter_any():
+                async for chunk in self.response.content.iter_any():
                     yield chunk
         finally:
-            self._response.release()
+            self.response.release()
 
 
 @contextmanager
@@ -245,7 +261,7 @@ class Upstream:
                 allow_redirects=False,
                 timeout=client_timeout,
             )
-        return UpstreamResponse(
+        return ToolAnswer(
             response.status,
             response_headers(response.raw_headers),
             response.content_length,

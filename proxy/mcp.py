@@ -787,7 +787,6 @@ async def read_answer(
             200,
             [(b"content-type", JSON.encode())],
             0,
-            upstream._response,
             f"the MCP server's answer passed {bound} bytes, the most this route keeps of it "
             "(mcp.max_answer_bytes, or what the store takes without offload)",
         )
@@ -807,7 +806,7 @@ async def read_answer(
         )
     if sse:
         headers.append((_FORM_HEADER, b"sse"))
-    return ReadAnswer(upstream.status, headers, len(body), upstream._response, body)
+    return ReadAnswer(upstream.status, headers, len(body), body)
 
 
 def _input_required(answer: types.JSONRPCResponse | types.JSONRPCError) -> bool:

@@ -622,7 +622,7 @@ class Answer(UpstreamResponse):
 
     def __init__(self, broken: bool = False, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         sent = [(b"content-type", b"application/json"), *headers]
-        super().__init__(200, sent, 11, None)  # type: ignore[arg-type]
+        super().__init__(200, sent, 11)
         self.broken = broken
 
     async def read(self) -> bytes:

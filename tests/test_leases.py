@@ -65,7 +65,7 @@ class Answer(UpstreamResponse):
     """The tool's answer, already read (no connection behind it)."""
 
     def __init__(self) -> None:
-        super().__init__(200, [(b"content-type", b"application/json")], 2, None)  # type: ignore[arg-type]
+        super().__init__(200, [(b"content-type", b"application/json")], 2)
 
     async def read(self) -> bytes:
         return b"{}"

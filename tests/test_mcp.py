@@ -467,7 +467,7 @@ class _Answer(UpstreamResponse):
     """An MCP server's HTTP answer, already read."""
 
     def __init__(self, status: int, body: bytes = b"{}") -> None:
-        super().__init__(status, [(b"content-type", b"application/json")], len(body), None)  # type: ignore[arg-type]
+        super().__init__(status, [(b"content-type", b"application/json")], len(body))
         self.body = body
 
     async def read(self) -> bytes:
@@ -831,7 +831,7 @@ class _Chunks(UpstreamResponse):
     """An MCP server's SSE answer arriving in the given chunks; counts those read."""
 
     def __init__(self, *chunks: bytes) -> None:
-        super().__init__(200, [(b"content-type", b"text/event-stream")], None, None)  # type: ignore[arg-type]
+        super().__init__(200, [(b"content-type", b"text/event-stream")], None)
         self.chunks = chunks
         self.read_chunks = 0
         self.closed = False

@@ -48,7 +48,7 @@ class Answer(UpstreamResponse):
     def __init__(self, body: bytes, *, streamed: bool = False) -> None:
         length = None if streamed else len(body)
         headers = [(b"content-type", b"application/octet-stream")]
-        super().__init__(200, headers, length, None)  # type: ignore[arg-type]
+        super().__init__(200, headers, length)
         self.body = body
 
     async def read(self) -> bytes:

@@ -389,7 +389,7 @@ def test_an_answer_whose_body_broke_leaves_the_lock_to_lapse() -> None:
 
     class Broken(UpstreamResponse):
         def __init__(self) -> None:
-            super().__init__(200, [], None, None)  # type: ignore[arg-type]
+            super().__init__(200, [], None)
 
         async def read(self) -> bytes:
             raise OutcomeUnknown("the connection broke mid-body")

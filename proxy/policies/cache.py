@@ -140,7 +140,7 @@ class Cached(UpstreamResponse):
     def __init__(self, stored: StoredResponse, body: bytes | AsyncIterator[bytes]) -> None:
         headers = [(k, v) for k, v in stored.headers if k.lower() not in _NOT_KEPT]
         size = len(body) if isinstance(body, bytes) else (stored.ref.size if stored.ref else None)
-        super().__init__(stored.status, headers, size, None)  # type: ignore[arg-type]
+        super().__init__(stored.status, headers, size)
         self._body = body
 
     async def read(self) -> bytes:
@@ -186,7 +186,7 @@ class Filling(UpstreamResponse):
         *,
         hold: bool = True,
     ) -> None:
-        super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
+        super().__init__(upstream.status, upstream.headers, upstream.length)
         self._upstream = upstream
         self._hold = hold
         self._limit = limit

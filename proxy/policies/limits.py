@@ -410,7 +410,7 @@ class Settled(UpstreamResponse):
     to its end): then the token cost is trued up, slots and locks are freed."""
 
     def __init__(self, upstream: UpstreamResponse, done: Done) -> None:
-        super().__init__(upstream.status, upstream.headers, upstream.length, upstream._response)
+        super().__init__(upstream.status, upstream.headers, upstream.length)
         self._upstream = upstream
         self._done: Done | None = done
 
