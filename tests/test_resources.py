@@ -16,11 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError
+from proxy.policies import versioning
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, ProxyProcess, RedisServer, wait_for
+from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
 
 
 def locked(upstream: str, guarded: bool = False, **lock: Any) -> dict[str, Any]:
@@ -275,6 +280,43 @@ def test_concurrent_writes_with_the_same_if_match_reach_the_tool_once(
         )
     assert sorted(a.status_code for a in answers) == [200, 412, 412, 412, 412]
     assert tool.total == 1
+
+
+def test_a_write_whose_bump_failed_makes_the_next_one_with_its_if_match_fail(
+    make_proxy: ProxyFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store dies between the send and the bump (the tool's handler kills it; its
+    append-only file keeps what it had): the write happened, the version did not move.
+    Once the store is back and the reservation has lapsed, a second writer with the same
+    If-Match is refused with a new ETag, never forwarded (a lost update)."""
+    monkeypatch.setattr(versioning, "RESERVATION_TTL_SECONDS", 0.5)  # lapses fast
+    redis = RedisServer(aof_dir=tmp_path).start()
+    writes: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        if request.method == "PUT":
+            writes.append(request.headers["if-match"])
+            if len(writes) == 1:
+                redis.kill()  # sent, not bumped
+        return Response(b"{}", media_type="application/json")
+
+    tool = ThreadServer(Starlette(routes=[Route("/{p:path}", handler, methods=["GET", "PUT"])]))
+    tool.start()
+    try:
+        proxy = make_proxy(versioned(tool.url), store=redis.url)
+        read = httpx.get(proxy.url + "/tools/s1").headers["etag"]
+        first = put(proxy.url, if_match=read)
+        assert first.status_code == 200 and "etag" not in first.headers  # no version known
+        redis.start()
+        second = put(proxy.url, if_match=read)
+        assert second.status_code == 412, second.text
+        assert second.headers["etag"] != read
+        assert writes == [read]
+        third = put(proxy.url, if_match=second.headers["etag"])  # read again: it goes
+        assert third.status_code == 200 and writes[-1] == second.headers["etag"]
+    finally:
+        tool.stop()
+        redis.stop()
 
 
 # -- shared by replicas (real Redis, two proxy processes) -------------------------------------
