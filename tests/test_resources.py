@@ -83,6 +83,10 @@ def test_lock_and_versioning_keys_are_checked_each_naming_its_field() -> None:
     good = parse_config({"routes": [locked("http://h", key="header:X-Account")]}, env={})
     lock = good.routes[0].lock
     assert lock is not None and lock.key == "header:x-account" and lock.ttl == 1.0
+    kept = parse_config({"routes": [versioned("http://h", ttl="1d")]}, env={}).routes[0]
+    assert kept.versioning is not None and kept.versioning.ttl == 86400.0
+    with pytest.raises(ConfigError, match=r"routes\[0\].versioning.ttl"):
+        parse_config({"routes": [versioned("http://h", ttl=0)]}, env={})
 
 
 # -- locks ------------------------------------------------------------------------------------
