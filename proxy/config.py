@@ -400,6 +400,10 @@ _PROXY_HEADERS = frozenset(
 )
 # The writes that versioning checks and counts by default.
 DEFAULT_VERSIONED_METHODS = ("PUT", "PATCH", "POST")
+# How long the store keeps a resource's version after its last read or write
+# (routes[].versioning.ttl): longer than an agent takes from a read to its write back.
+# Forgotten, a resource gets a fresh version: every earlier ETag fails (412), none matches.
+DEFAULT_VERSION_TTL = 7 * 24 * 3600.0
 
 
 def check_resource_key(key: str) -> str:
@@ -451,6 +455,8 @@ class VersioningConfig(_Strict):
     required: bool = False
     wait: Wait = DEFAULT_RESOURCE_WAIT
     """How long a write waits while another write of the same resource is in flight."""
+    ttl: Duration = DEFAULT_VERSION_TTL
+    """How long a resource's version is kept after its last read or write."""
 
     @field_validator("key")
     @classmethod

@@ -219,10 +219,13 @@ class BreakingTool:
 
 
 class RedisServer:
-    """A real redis-server on a free port, without persistence."""
+    """A real redis-server on a free port, without persistence; with ``aof_dir``, every
+    write is in an append-only file there (fsync'd each time), so a server killed and
+    started again keeps its data."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, aof_dir: Path | None = None) -> None:
         self.port = port or free_port()
+        self.aof_dir = aof_dir
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -241,8 +244,7 @@ class RedisServer:
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
+                *self._persistence(),
                 "--protected-mode",
                 "no",
             ],
@@ -251,6 +253,18 @@ class RedisServer:
         )
         wait_for(self.ping, what="redis-server")
         return self
+
+    def _persistence(self) -> list[str]:
+        if self.aof_dir is None:
+            return ["--appendonly", "no"]
+        return ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.aof_dir)]
+
+    def kill(self) -> None:
+        """SIGKILL: the server is gone at once (kept only what its append-only file has)."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(10)
+        self.process = None
 
     def ping(self) -> bool:
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:

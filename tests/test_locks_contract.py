@@ -12,10 +12,12 @@ import asyncio
 import pytest
 
 from proxy.store import Locks, Store, make_locks
+from proxy.store.locks import Version
 from tests.conftest import Later
 
 pytestmark = pytest.mark.anyio
 
+SCOPE = "route-a"
 KEY = "route-a|account-1"
 TTL = 0.3
 
@@ -31,74 +33,136 @@ def locks(opened: Store) -> Locks:
 
 
 async def test_one_owner_at_a_time(locks: Locks) -> None:
-    first = await locks.acquire(KEY, "a", TTL)
-    refused = await locks.acquire(KEY, "b", TTL)
+    first = await locks.acquire(SCOPE, KEY, "a", TTL)
+    refused = await locks.acquire(SCOPE, KEY, "b", TTL)
     assert first.token == 1
     assert refused.token is None
     assert 0.2 < refused.expires_in <= TTL
 
 
 async def test_an_owner_that_holds_the_lock_keeps_it_and_its_token(locks: Locks) -> None:
-    first = await locks.acquire(KEY, "a", TTL)
-    again = await locks.acquire(KEY, "a", TTL)
+    first = await locks.acquire(SCOPE, KEY, "a", TTL)
+    await locks.acquire(SCOPE, "other", "b", TTL)  # the scope's counter moves on
+    again = await locks.acquire(SCOPE, KEY, "a", TTL)
     assert again.token == first.token
 
 
-async def test_tokens_grow_across_releases_and_keys_are_apart(locks: Locks) -> None:
+async def test_tokens_grow_per_scope_across_releases_and_keys(locks: Locks) -> None:
     tokens = []
     for owner in "abc":
-        grant = await locks.acquire(KEY, owner, TTL)
+        grant = await locks.acquire(SCOPE, KEY, owner, TTL)
         tokens.append(grant.token)
-        assert await locks.release(KEY, owner)
-    assert tokens == [1, 2, 3]
-    assert (await locks.acquire("other", "a", TTL)).token == 1
+        assert await locks.release(SCOPE, KEY, owner)
+    tokens.append((await locks.acquire(SCOPE, "other", "a", TTL)).token)
+    assert tokens == [1, 2, 3, 4]  # one counter per scope
+    assert (await locks.acquire("route-b", KEY, "a", TTL)).token == 1  # scopes are apart
+    assert (await locks.acquire("route-b", KEY, "b", TTL)).token is None
 
 
 async def test_a_lapsed_lock_is_free_and_the_next_token_is_larger(
     locks: Locks, later: Later
 ) -> None:
-    first = await locks.acquire(KEY, "a", TTL)
+    first = await locks.acquire(SCOPE, KEY, "a", TTL)
     await later(TTL + 0.05)
-    second = await locks.acquire(KEY, "b", TTL)
+    second = await locks.acquire(SCOPE, KEY, "b", TTL)
     assert first.token is not None and second.token is not None
     assert second.token > first.token
-    assert not await locks.renew(KEY, "a", TTL)
-    assert not await locks.release(KEY, "a")
-    assert (await locks.acquire(KEY, "c", TTL)).token is None  # b still holds it
+    assert not await locks.renew(SCOPE, KEY, "a", TTL)
+    assert not await locks.release(SCOPE, KEY, "a")
+    assert (await locks.acquire(SCOPE, KEY, "c", TTL)).token is None  # b still holds it
 
 
 async def test_only_the_owner_renews_and_renewal_extends(locks: Locks, later: Later) -> None:
-    await locks.acquire(KEY, "a", TTL)
-    assert not await locks.renew(KEY, "b", TTL)
+    await locks.acquire(SCOPE, KEY, "a", TTL)
+    assert not await locks.renew(SCOPE, KEY, "b", TTL)
     await later(0.2)
-    assert await locks.renew(KEY, "a", TTL)
+    assert await locks.renew(SCOPE, KEY, "a", TTL)
     await later(0.2)  # past the first lease, within the renewed one
-    assert (await locks.acquire(KEY, "b", TTL)).token is None
+    assert (await locks.acquire(SCOPE, KEY, "b", TTL)).token is None
 
 
 async def test_only_the_owner_releases(locks: Locks) -> None:
-    await locks.acquire(KEY, "a", TTL)
-    assert not await locks.release(KEY, "b")
-    assert (await locks.acquire(KEY, "b", TTL)).token is None
-    assert await locks.release(KEY, "a")
-    assert not await locks.release(KEY, "a")
-    assert (await locks.acquire(KEY, "b", TTL)).token == 2
+    await locks.acquire(SCOPE, KEY, "a", TTL)
+    assert not await locks.release(SCOPE, KEY, "b")
+    assert (await locks.acquire(SCOPE, KEY, "b", TTL)).token is None
+    assert await locks.release(SCOPE, KEY, "a")
+    assert not await locks.release(SCOPE, KEY, "a")
+    assert (await locks.acquire(SCOPE, KEY, "b", TTL)).token == 2
 
 
 async def test_a_lapsed_lock_cannot_be_renewed_into_life(locks: Locks, later: Later) -> None:
-    await locks.acquire(KEY, "a", TTL)
+    await locks.acquire(SCOPE, KEY, "a", TTL)
     await later(TTL + 0.05)
-    assert not await locks.renew(KEY, "a", TTL)
-
-
-async def test_versions_start_at_zero_and_bumps_count(locks: Locks) -> None:
-    assert await locks.version(KEY) == 0
-    assert await locks.bump(KEY) == 1
-    assert await locks.bump(KEY) == 2
-    assert await locks.version(KEY) == 2
-    assert await locks.version("other") == 0
+    assert not await locks.renew(SCOPE, KEY, "a", TTL)
 
 
 async def test_concurrent_acquisitions_give_one_owner(locks: Locks) -> None:
-    grants = await asyncio.gather(*(locks.acquire(KEY, f"o{n}", TTL) for n in range(10)))
+    grants = await asyncio.gather(*(locks.acquire(SCOPE, KEY, f"o{n}", TTL) for n in range(10)))
     assert sum(g.token is not None for g in grants) == 1
+
+
+# -- versions ----------------------------------------------------------------------------
+
+
+async def test_a_resource_without_an_entry_gets_a_fresh_unwritten_version_kept(
+    locks: Locks,
+) -> None:
+    first = await locks.version(SCOPE, KEY, TTL)
+    assert first == Version(1, False)
+    assert await locks.version(SCOPE, KEY, TTL) == first  # kept
+    assert await locks.version(SCOPE, "other", TTL) == Version(2, False)  # one counter
+    assert (await locks.acquire(SCOPE, KEY, "a", TTL)).token == 3  # with fencing tokens
+    assert await locks.version("route-b", KEY, TTL) == Version(1, False)
+
+
+async def test_a_settled_write_moves_the_version_a_refused_one_keeps_it(locks: Locks) -> None:
+    start = await locks.begin(SCOPE, KEY, "a", TTL)
+    assert start == Version(1, False)
+    assert await locks.settle(SCOPE, KEY, "a", True, TTL) == 2
+    assert await locks.version(SCOPE, KEY, TTL) == Version(2, True)
+    assert await locks.begin(SCOPE, KEY, "b", TTL) == Version(2, True)
+    assert await locks.settle(SCOPE, KEY, "b", False, TTL) == 2
+    assert await locks.begin(SCOPE, KEY, "c", TTL) == Version(2, True)  # b's mark is gone
+
+
+async def test_begin_and_settle_can_be_repeated(locks: Locks) -> None:
+    """A resend after a lost reply changes nothing more."""
+    first = await locks.begin(SCOPE, KEY, "a", TTL)
+    assert await locks.begin(SCOPE, KEY, "a", TTL) == first
+    assert await locks.settle(SCOPE, KEY, "a", True, TTL) == 2
+    assert await locks.settle(SCOPE, KEY, "a", True, TTL) is None  # settled already
+    assert await locks.version(SCOPE, KEY, TTL) == Version(2, True)
+
+
+async def test_a_write_left_unsettled_makes_the_next_one_draw_a_fresh_version(
+    locks: Locks,
+) -> None:
+    """The store failed (or the proxy died) between the send and the bump: the write may
+    have happened, so no If-Match of the version before it may match again."""
+    before = await locks.begin(SCOPE, KEY, "a", TTL)
+    assert await locks.version(SCOPE, KEY, TTL) == before  # a read meanwhile: the old one
+    after = await locks.begin(SCOPE, KEY, "b", TTL)
+    assert after.written and after.number > before.number
+    assert await locks.settle(SCOPE, KEY, "a", True, TTL) is None  # a's mark was taken over
+    assert await locks.settle(SCOPE, KEY, "b", False, TTL) == after.number
+
+
+async def test_a_version_expires_after_its_ttl_since_its_last_use_and_comes_back_fresh(
+    locks: Locks, later: Later
+) -> None:
+    await locks.begin(SCOPE, KEY, "a", TTL)
+    written = await locks.settle(SCOPE, KEY, "a", True, TTL)
+    await later(0.2)
+    assert await locks.version(SCOPE, KEY, TTL) == Version(2, True)  # a read keeps it
+    await later(0.2)
+    assert await locks.version(SCOPE, KEY, TTL) == Version(2, True)
+    await later(TTL + 0.05)
+    fresh = await locks.version(SCOPE, KEY, TTL)
+    assert written is not None and fresh.number > written and not fresh.written
+
+
+async def test_a_mark_expires_with_its_version(locks: Locks, later: Later) -> None:
+    await locks.begin(SCOPE, KEY, "a", TTL)
+    await later(TTL + 0.05)
+    assert await locks.settle(SCOPE, KEY, "a", True, TTL) is None
+    assert not (await locks.begin(SCOPE, KEY, "b", TTL)).written  # forgotten: fresh

@@ -1001,8 +1001,9 @@ def test_versioned_writes_keyed_by_an_argument_refuse_a_stale_if_match(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
     """``versioning.key: json:/params/arguments/account``: each tools/call is a write; two
-    calls with the same If-Match: the first runs (ETag "1"), the second gets 412 as its
-    JSON-RPC error, nothing sent. (HTTP headers: MCP clients rarely set them per call.)"""
+    calls with the same precondition (the account never written): the first runs (its
+    ETag), the second gets 412 as its JSON-RPC error, nothing sent. (HTTP headers: MCP
+    clients rarely set them per call.)"""
     spec = mcp_route(mcp_tool.url)
     spec["versioning"] = {"key": "json:/params/arguments/account"}
     proxy = make_proxy(spec)
@@ -1015,14 +1016,14 @@ def test_versioned_writes_keyed_by_an_argument_refuse_a_stale_if_match(
             call = {"name": "transfer", "arguments": arguments,
                     "_meta": {"idempotencyKey": new_key(arguments)}}  # fmt: skip
             message = {"jsonrpc": "2.0", "id": cents, "method": "tools/call", "params": call}
-            answers.append(raw.post(message, **{"If-Match": '"0"'}))
+            answers.append(raw.post(message, **{"If-None-Match": "*"}))
     first, stale = answers
-    assert first.headers["etag"] == '"1"'
+    assert first.headers["etag"] == '"2"'  # 1: the fresh version it was checked against
     assert message_of(first)["result"]["content"][0]["text"] == f"moved 1 from {who}"
     error = message_of(stale)["error"]
     assert error["code"] == mcp.REFUSED
     assert error["data"]["type"] == "urn:tool-proxy:problem:precondition-failed"
-    assert stale.headers["etag"] == '"1"'
+    assert stale.headers["etag"] == '"2"'
     assert mcp_tool.executions[f"transfer:{who}"] == 1
 
 

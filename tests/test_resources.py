@@ -16,11 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError
+from proxy.policies import versioning
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, ProxyProcess, RedisServer, wait_for
+from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
 
 
 def locked(upstream: str, guarded: bool = False, **lock: Any) -> dict[str, Any]:
@@ -78,6 +83,10 @@ def test_lock_and_versioning_keys_are_checked_each_naming_its_field() -> None:
     good = parse_config({"routes": [locked("http://h", key="header:X-Account")]}, env={})
     lock = good.routes[0].lock
     assert lock is not None and lock.key == "header:x-account" and lock.ttl == 1.0
+    kept = parse_config({"routes": [versioned("http://h", ttl="1d")]}, env={}).routes[0]
+    assert kept.versioning is not None and kept.versioning.ttl == 86400.0
+    with pytest.raises(ConfigError, match=r"routes\[0\].versioning.ttl"):
+        parse_config({"routes": [versioned("http://h", ttl=0)]}, env={})
 
 
 # -- locks ------------------------------------------------------------------------------------
@@ -102,7 +111,7 @@ def test_calls_on_other_resources_run_at_the_same_time(
         answers = list(pool.map(lambda a: debit(proxy.url, a, "?delay=0.3"), ["A", "B"]))
     assert [a.status_code for a in answers] == [200, 200]
     assert tool.most_in_flight == 2
-    assert tokens(tool) == [1, 1]  # a token per resource
+    assert sorted(tokens(tool)) == [1, 2]  # one counter per route, not one per resource
 
 
 def test_a_caller_cannot_choose_its_fencing_token(
@@ -160,7 +169,7 @@ def test_a_path_segment_names_the_resource(make_proxy: ProxyFactory, tool: Count
     proxy = make_proxy(locked(tool.url, key="path:1"))
     for path in ("/tools/accounts/A", "/tools/accounts/A", "/tools/accounts/B"):
         assert httpx.post(proxy.url + path, content=b"{}").status_code == 200
-    assert tokens(tool) == [1, 2, 1]
+    assert tokens(tool) == [1, 2, 3]  # growing per resource, drawn from the route's counter
     assert httpx.post(proxy.url + "/tools/accounts", content=b"{}").status_code == 400
 
 
@@ -216,24 +225,24 @@ def test_reads_carry_the_version_and_writes_must_name_the_current_one(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
     proxy = make_proxy(versioned(tool.url))
-    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"0"'
+    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"1"'  # from the route's counter
     first = put(proxy.url, if_none_match="*")
-    assert first.status_code == 200 and first.headers["etag"] == '"1"'
+    assert first.status_code == 200 and first.headers["etag"] == '"2"'
     again = put(proxy.url, if_none_match="*")
     assert again.status_code == 412, again.text
     assert again.json()["type"] == "urn:tool-proxy:problem:precondition-failed"
-    assert again.headers["etag"] == '"1"'
-    assert put(proxy.url, if_match='"1"').headers["etag"] == '"2"'
-    stale = put(proxy.url, if_match='"1"')
-    assert stale.status_code == 412 and stale.headers["etag"] == '"2"'
-    assert put(proxy.url, if_match='W/"2"').status_code == 412  # weak tags never match
-    assert put(proxy.url, if_match='"7", "2"').status_code == 200
-    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"3"'
-    assert httpx.get(proxy.url + "/tools/s2").headers["etag"] == '"0"'
+    assert again.headers["etag"] == '"2"'
+    assert put(proxy.url, if_match='"2"').headers["etag"] == '"3"'
+    stale = put(proxy.url, if_match='"2"')
+    assert stale.status_code == 412 and stale.headers["etag"] == '"3"'
+    assert put(proxy.url, if_match='W/"3"').status_code == 412  # weak tags never match
+    assert put(proxy.url, if_match='"7", "3"').status_code == 200
+    assert httpx.get(proxy.url + "/tools/s1").headers["etag"] == '"4"'
+    assert httpx.get(proxy.url + "/tools/s2").headers["etag"] == '"5"'  # fresh, never reused
     listing = httpx.get(proxy.url + "/tools")
     assert listing.status_code == 200 and "etag" not in listing.headers
     assert httpx.put(proxy.url + "/tools", content=b"{}").status_code == 400
-    assert put(proxy.url).headers["etag"] == '"4"'  # not required: counted all the same
+    assert put(proxy.url).headers["etag"] == '"6"'  # not required: counted all the same
     writes = [r for r in tool.requests if r["method"] == "PUT"]
     assert len(writes) == 4
 
@@ -245,11 +254,12 @@ def test_a_refused_write_keeps_the_version_a_failed_one_moves_it(
     a writer that read the old one gets 412, never a lost update."""
     proxy = make_proxy(versioned(tool.url))
     refused = put(proxy.url, if_match="*", query="?status=500")
-    assert refused.status_code == 412  # never written: * does not match version 0
+    assert refused.status_code == 412  # never written: * does not match
+    assert refused.headers["etag"] == '"1"'
     kept = put(proxy.url, if_none_match="*", query="?status=409")
-    assert kept.status_code == 409 and kept.headers["etag"] == '"0"'
+    assert kept.status_code == 409 and kept.headers["etag"] == '"1"'
     failed = put(proxy.url, if_none_match="*", query="?status=500")
-    assert failed.status_code == 500 and failed.headers["etag"] == '"1"'
+    assert failed.status_code == 500 and failed.headers["etag"] == '"2"'
     assert put(proxy.url, if_none_match="*").status_code == 412  # it may have been written
 
 
@@ -274,6 +284,43 @@ def test_concurrent_writes_with_the_same_if_match_reach_the_tool_once(
         )
     assert sorted(a.status_code for a in answers) == [200, 412, 412, 412, 412]
     assert tool.total == 1
+
+
+def test_a_write_whose_bump_failed_makes_the_next_one_with_its_if_match_fail(
+    make_proxy: ProxyFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store dies between the send and the bump (the tool's handler kills it; its
+    append-only file keeps what it had): the write happened, the version did not move.
+    Once the store is back and the reservation has lapsed, a second writer with the same
+    If-Match is refused with a new ETag, never forwarded (a lost update)."""
+    monkeypatch.setattr(versioning, "RESERVATION_TTL_SECONDS", 0.5)  # lapses fast
+    redis = RedisServer(aof_dir=tmp_path).start()
+    writes: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        if request.method == "PUT":
+            writes.append(request.headers["if-match"])
+            if len(writes) == 1:
+                redis.kill()  # sent, not bumped
+        return Response(b"{}", media_type="application/json")
+
+    tool = ThreadServer(Starlette(routes=[Route("/{p:path}", handler, methods=["GET", "PUT"])]))
+    tool.start()
+    try:
+        proxy = make_proxy(versioned(tool.url), store=redis.url)
+        read = httpx.get(proxy.url + "/tools/s1").headers["etag"]
+        first = put(proxy.url, if_match=read)
+        assert first.status_code == 200 and "etag" not in first.headers  # no version known
+        redis.start()
+        second = put(proxy.url, if_match=read)
+        assert second.status_code == 412, second.text
+        assert second.headers["etag"] != read
+        assert writes == [read]
+        third = put(proxy.url, if_match=second.headers["etag"])  # read again: it goes
+        assert third.status_code == 200 and writes[-1] == second.headers["etag"]
+    finally:
+        tool.stop()
+        redis.stop()
 
 
 # -- shared by replicas (real Redis, two proxy processes) -------------------------------------
@@ -368,13 +415,13 @@ def test_two_agents_writing_version_1_across_replicas_one_wins_one_gets_412(
     two_proxies: list[ProxyProcess], tool: CountingTool
 ) -> None:
     a, b = two_proxies
-    assert put(a.url, if_none_match="*").headers["etag"] == '"1"'
+    assert put(a.url, if_none_match="*").headers["etag"] == '"2"'  # 1: the fresh one
     read = [httpx.get(p.url + "/tools/s1").headers["etag"] for p in (a, b)]
-    assert read == ['"1"', '"1"']
+    assert read == ['"2"', '"2"']
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda p: put(p.url, if_match='"1"', query="?delay=0.3"), (a, b)))
+        answers = list(pool.map(lambda p: put(p.url, if_match='"2"', query="?delay=0.3"), (a, b)))
     assert sorted(r.status_code for r in answers) == [200, 412]
-    assert {r.headers["etag"] for r in answers} == {'"2"'}
+    assert {r.headers["etag"] for r in answers} == {'"3"'}
     assert len([r for r in tool.requests if r["method"] == "PUT"]) == 2  # the first, one more
 
 

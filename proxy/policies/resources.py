@@ -118,6 +118,8 @@ class Locker:
     ) -> None:
         self.route = route
         self.policy = policy
+        # the scope of its fencing tokens: one counter per route and policy
+        self.scope = f"{route}|{policy}"
         self.locks = locks
         self.ttl = ttl
         self.wait = wait
@@ -164,7 +166,7 @@ class Locker:
         waited = False
         while True:
             try:
-                grant = await self.locks.acquire(key, owner, self.ttl)
+                grant = await self.locks.acquire(self.scope, key, owner, self.ttl)
             except StoreUnavailable as exc:
                 self.metrics.resource_decision(self.route, self.policy, "store_down")
                 raise LocksUnavailable(
@@ -217,7 +219,7 @@ class Locker:
 
     async def _release(self, held: Held) -> None:
         try:
-            if not await self.locks.release(held.key, held.owner):
+            if not await self.locks.release(self.scope, held.key, held.owner):
                 self.log.warning("resource_lock_lost", route=self.route, policy=self.policy)
                 self.metrics.resource_decision(self.route, self.policy, "lost")
         except StoreUnavailable as exc:
@@ -236,7 +238,7 @@ class Locker:
         give_up = taken + self.call_seconds + self.ttl
         while loop.time() < give_up:
             try:
-                if not await self.locks.renew(held.key, held.owner, self.ttl):
+                if not await self.locks.renew(self.scope, held.key, held.owner, self.ttl):
                     self.log.warning("resource_lock_lost", route=self.route, policy=self.policy)
                     self.metrics.resource_decision(self.route, self.policy, "lost")
                     return

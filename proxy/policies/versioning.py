@@ -1,7 +1,8 @@
 """Versioned writes: optimistic concurrency for tools without it.
 
-The proxy keeps a version per resource key (0 until the first write through it). Per
-call, around the send::
+The proxy keeps a version per resource key: a number drawn from the route's counter,
+fresh (and unwritten) for a resource it has no entry of, kept ``versioning.ttl`` after
+its last use. Per call, around the send::
 
     a read (a method not in versioning.methods, e.g. GET): the version, then forward
         (a read without the key, e.g. a listing, is forwarded without an ETag);
@@ -10,14 +11,16 @@ call, around the send::
         a lost update)
     a write: no key: 400; no If-Match / If-None-Match ──▶ 428 when versioning.required
       └─▶ reserve the resource (a store lock: one write of it at a time, across replicas)
-            └─▶ the version ──▶ the precondition fails: 412, ETag: the current version
-                   └─▶ forward ──▶ 2xx: bump the version; ETag: the new one; free
-                          ├─ nothing sent: free
+            └─▶ mark the write, read the version ──▶ the precondition fails: 412, ETag
+                   └─▶ forward ──▶ 2xx: bump the version, the mark cleared; ETag; free
+                          ├─ nothing sent, or a refusal (4xx, 503): clear the mark; free
                           └─ outcome unknown: bump (a write may have happened: writers
                              of the old version get 412, not a lost update); free
 
 Two writes with the same If-Match never both reach the tool: the second one reads the
-version only after the first one's bump.
+version only after the first one's bump. If that bump fails (the store, or this proxy,
+died after the send), the mark stays: the next write that finds it takes the write as
+done and draws a fresh version, so its If-Match fails too, whenever it comes.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
 from proxy.policies.limits import Settled, header_value
 from proxy.policies.resources import Held, Locker, resource_key
-from proxy.store.locks import Locks
+from proxy.store.locks import Locks, Version
 
 # The lease of a write's reservation, renewed every third of it while the call runs.
 RESERVATION_TTL_SECONDS = 10.0
@@ -54,19 +57,19 @@ def _tags(field: str) -> set[str] | None:
     return {t if t == "*" else t[1:-1] for t in tags if t == "*" or t.startswith('"')}
 
 
-def _matches(version: int, tags: set[str]) -> bool:
-    """``*`` matches a resource written at least once; a tag matches its version."""
-    return ("*" in tags and version > 0) or str(version) in tags
+def _matches(version: Version, tags: set[str]) -> bool:
+    """``*`` matches a resource written through the proxy; a tag matches its number."""
+    return ("*" in tags and version.written) or str(version.number) in tags
 
 
-def _holds(version: int, if_match: set[str] | None, if_none_match: set[str] | None) -> bool:
+def _holds(version: Version, if_match: set[str] | None, if_none_match: set[str] | None) -> bool:
     if if_match is not None and not _matches(version, if_match):
         return False
     return if_none_match is None or not _matches(version, if_none_match)
 
 
-def etag(version: int) -> str:
-    return f'"{version}"'
+def etag(number: int) -> str:
+    return f'"{number}"'
 
 
 class Versioning:
@@ -80,8 +83,10 @@ class Versioning:
         self.kind = route.versioning.key
         self.methods = frozenset(route.versioning.methods)
         self.required = route.versioning.required
+        self.ttl = route.versioning.ttl
         self.locks = locks
         self.metrics = metrics
+        self.tasks = tasks
         self.log = log
         self.locker = Locker(
             route.name,
@@ -105,7 +110,7 @@ class Versioning:
                 return await forward()
             version = await self._version(key)
             upstream = await forward()
-            context.headers.append((b"etag", etag(version).encode()))
+            context.headers.append((b"etag", etag(version.number).encode()))
             return upstream
 
         return versioned
@@ -122,29 +127,30 @@ class Versioning:
             )
         held = await self.locker.take("v|" + key)
         try:
-            version = await self._version(key)
+            version = await self._begin(key, held)
             if not _holds(version, if_match, if_none_match):
                 self.metrics.resource_decision(self.route, "versioning", "precondition_failed")
                 raise PreconditionFailed(
-                    f"the resource is at version {version}; the request's precondition "
-                    "does not hold: read it again, then retry with its ETag",
-                    headers={"ETag": etag(version)},
+                    f"the resource is at version {version.number}; the request's "
+                    "precondition does not hold: read it again, then retry with its ETag",
+                    headers={"ETag": etag(version.number)},
                 )
             upstream = await forward()
         except NOT_SENT:
-            self.locker.release(held)
+            self._unwritten(key, held)
             raise
         except BaseException:
             if await self._bump(key, held) is not None:
                 self.locker.release(held)
             raise
         self.metrics.resource_decision(self.route, "versioning", "forwarded")
-        if _may_have_written(upstream.status):
-            bumped = await self._bump(key, held)
-            if bumped is None:  # the reservation is left to lapse: nothing more to free
-                return upstream
-            version = bumped
-        context.headers.append((b"etag", etag(version).encode()))
+        if not _may_have_written(upstream.status):
+            context.headers.append((b"etag", etag(version.number).encode()))
+            return Settled(upstream, lambda body, whole: self._refused(key, held, whole))
+        bumped = await self._bump(key, held)
+        if bumped is None:  # the reservation is left to lapse: nothing more to free
+            return upstream
+        context.headers.append((b"etag", etag(bumped).encode()))
         # the reservation is held until the answer has been read: no other write of this
         # resource reaches the tool while this one may still be at work
         return Settled(upstream, lambda body, whole: self._settled(held, whole))
@@ -155,27 +161,60 @@ class Versioning:
         else:
             self.locker.abandon(held)
 
-    async def _version(self, key: str) -> int:
+    def _refused(self, key: str, held: Held, whole: bool) -> None:
+        """The tool refused the write: clear its mark, free the reservation; if the answer
+        broke, it is left to lapse and the mark stays (the next write draws a fresh
+        version: a 412 too many, never a lost update)."""
+        if whole:
+            self._unwritten(key, held)
+        else:
+            self.locker.abandon(held)
+
+    def _unwritten(self, key: str, held: Held) -> None:
+        """Clear the write's mark, then free the reservation (in the background)."""
+        self.tasks.spawn(self._clear(key, held))
+
+    async def _clear(self, key: str, held: Held) -> None:
         try:
-            return await self.locks.version(key)
+            await self.locks.settle(self.route, key, held.owner, False, self.ttl)
+        except StoreUnavailable as exc:  # the mark stays: the next write draws a fresh one
+            self.log.warning("version_mark_not_cleared", route=self.route, error=exc.detail)
+        finally:
+            self.locker.release(held)
+
+    async def _version(self, key: str) -> Version:
+        try:
+            return await self.locks.version(self.route, key, self.ttl)
         except StoreUnavailable as exc:
-            self.metrics.resource_decision(self.route, "versioning", "store_down")
-            raise LocksUnavailable(
-                f"the store that keeps the versions of route {self.route} is unreachable: "
-                "nothing was sent"
-            ) from exc
+            raise self._unavailable() from exc
+
+    async def _begin(self, key: str, held: Held) -> Version:
+        try:
+            return await self.locks.begin(self.route, key, held.owner, self.ttl)
+        except StoreUnavailable as exc:
+            raise self._unavailable() from exc
+
+    def _unavailable(self) -> LocksUnavailable:
+        self.metrics.resource_decision(self.route, "versioning", "store_down")
+        return LocksUnavailable(
+            f"the store that keeps the versions of route {self.route} is unreachable: "
+            "nothing was sent"
+        )
 
     async def _bump(self, key: str, held: Held) -> int | None:
-        """The new version, the reservation freed; None if the store failed (then the
-        reservation is left to lapse: the next write reads the version after it)."""
+        """The new version; None if the store failed or the mark is gone (then the
+        reservation is left to lapse, and a mark left behind makes the next write draw a
+        fresh version: its If-Match fails)."""
         try:
-            version = await self.locks.bump(key)
+            number = await self.locks.settle(self.route, key, held.owner, True, self.ttl)
         except StoreUnavailable as exc:
             self.log.error("version_bump_failed", route=self.route, error=exc.detail)
+            number = None
+        if number is None:
             self.locker.abandon(held)
             return None
         self.metrics.resource_decision(self.route, "versioning", "bumped")
-        return version
+        return number
 
 
 def _may_have_written(status: int) -> bool:

@@ -5,13 +5,29 @@ Kept apart from the records contract (``base.Store``) and the rate buckets
 ``SQLiteLocks``, ``RedisLocks``), over the same connection as its records, and one
 contract test suite (tests/test_locks_contract.py) runs against all three.
 
+Every key lives in a *scope* (a route). Each scope has one counter, which only grows and
+never expires; fencing tokens and version numbers are both drawn from it. So the state
+kept per resource (a caller-chosen value) can expire, and a resource forgotten is given a
+fresh number larger than every one given before in its scope: no stale token or ETag
+matches it again.
+
 A lock is a lease: one owner at a time, until its ``ttl`` ends (renewed by its owner
 while the call runs), so a replica that dies frees its locks when they lapse. Every
-acquisition of a lock key gets a *fencing token*: the next value of a counter kept
-beside the lock, which outlives the lock's expiry, so a tool can refuse a write that
-carries a smaller token than one it has seen (a holder that lost its lock).
+acquisition gets a *fencing token*, the next value of the scope's counter, kept with the
+lock while it is held: a tool can refuse a write that carries a smaller token than one it
+has seen (a holder that lost its lock).
 
-A version is a counter per resource: 0 until the first ``bump``.
+A version is a number and whether a write through the proxy set it. A resource with no
+entry (never seen, or not seen for ``ttl``) gets a fresh, unwritten one. A write marks
+its resource before it is sent (``begin``) and settles the mark afterwards (``settle``):
+a mark left unsettled (the store failed, or the proxy died, between the send and the bump)
+means the write may have happened, so the next ``begin`` draws a fresh number, and every
+``If-Match`` of the old one fails.
+
+    version   ──▶ (number, written)               reads: the ETag
+    begin     ──▶ mark the write (a stale mark: a fresh number, written)
+      └─▶ send ──▶ settle(wrote=True): a fresh number, written; the mark cleared
+             └──▶ settle(wrote=False): the mark cleared, the number kept
 """
 
 from __future__ import annotations
@@ -29,24 +45,41 @@ class Grant:
     expires_in: float = 0.0
 
 
-class Locks(Protocol):
-    """Locks and versions of resource keys. Every method is atomic; failures raise
-    ``StoreUnavailable`` (``StoreRefused`` for a write the store refuses)."""
+@dataclass(frozen=True, slots=True)
+class Version:
+    """A resource's version: a number drawn from its scope's counter, and whether a write
+    through the proxy set it (False for a resource the store had no entry of)."""
 
-    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
+    number: int
+    written: bool
+
+
+class Locks(Protocol):
+    """Locks and versions of resource keys, per scope. Every method is atomic and safe to
+    repeat with the same arguments (a resend after a lost reply changes nothing more);
+    failures raise ``StoreUnavailable`` (``StoreRefused`` for a write the store refuses)."""
+
+    async def acquire(self, scope: str, key: str, owner: str, ttl: float) -> Grant:
         """Take the lock for ``owner`` until ``ttl`` from now, with a fencing token larger
-        than every one given for ``key`` before; an owner that holds it already keeps it
+        than every one given in ``scope`` before; an owner that holds it already keeps it
         (and its token)."""
 
-    async def renew(self, key: str, owner: str, ttl: float) -> bool:
+    async def renew(self, scope: str, key: str, owner: str, ttl: float) -> bool:
         """Extend ``owner``'s lock to ``ttl`` from now; False if it is not held by
         ``owner`` (lapsed, or taken by another: it is not retaken)."""
 
-    async def release(self, key: str, owner: str) -> bool:
+    async def release(self, scope: str, key: str, owner: str) -> bool:
         """Free the lock if ``owner`` holds it (compare and delete); False otherwise."""
 
-    async def version(self, key: str) -> int:
-        """The resource's version: 0 before its first bump."""
+    async def version(self, scope: str, key: str, ttl: float) -> Version:
+        """The resource's version, kept ``ttl`` more; a fresh unwritten one if it has no
+        entry."""
 
-    async def bump(self, key: str) -> int:
-        """Add one to the resource's version and return it."""
+    async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
+        """Mark a write of ``owner`` (who holds the resource's reservation) and return the
+        version it is checked against: a fresh written one if another owner's mark was
+        left unsettled (that write may have happened)."""
+
+    async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
+        """Clear ``owner``'s mark; if ``wrote``, move the version to a fresh number. The
+        resulting number, or None if ``owner``'s mark is not there (settled already)."""

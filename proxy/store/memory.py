@@ -6,10 +6,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant
+from proxy.store.locks import Grant, Version
 from proxy.store.queue import Job, JobState
 
 # The largest payload kept, as for Redis (a process's memory is no place for more).
@@ -324,53 +325,114 @@ class MemoryBuckets:
 
 
 class MemoryLocks:
-    """``Locks`` in this process's memory (one process only): leases, fencing counters,
-    versions. Counters and versions are never dropped: they must only grow."""
+    """``Locks`` in this process's memory (one process only): leases, a counter per scope
+    (never dropped: it must only grow), versions that expire ``ttl`` after their last use.
+    Entries are kept in the order of their last use, so the lapsed ones are at the front:
+    each change drops a few of them."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._held: dict[str, tuple[str, float]] = {}
-        self._tokens: dict[str, int] = {}
-        self._versions: dict[str, int] = {}
+        self._counters: dict[str, int] = {}
+        self._held: dict[tuple[str, str], _Held] = {}
+        self._versions: dict[tuple[str, str], _Versioned] = {}
 
-    def _holder(self, key: str, now: float) -> tuple[str, float] | None:
-        held = self._held.get(key)
-        if held is not None and held[1] <= now:
-            del self._held[key]
+    def _draw(self, scope: str) -> int:
+        self._counters[scope] = self._counters.get(scope, 0) + 1
+        return self._counters[scope]
+
+    def _holder(self, scope: str, key: str, now: float) -> _Held | None:
+        held = self._held.get((scope, key))
+        return None if held is None or held.until <= now else held
+
+    async def acquire(self, scope: str, key: str, owner: str, ttl: float) -> Grant:
+        now = self._clock()
+        held = self._holder(scope, key, now)
+        if held is not None and held.owner != owner:
+            return Grant(None, held.until - now)
+        token = self._draw(scope) if held is None else held.token
+        _touch(self._held, (scope, key), _Held(owner, now + ttl, token), now)
+        return Grant(token)
+
+    async def renew(self, scope: str, key: str, owner: str, ttl: float) -> bool:
+        now = self._clock()
+        held = self._holder(scope, key, now)
+        if held is None or held.owner != owner:
+            return False
+        _touch(self._held, (scope, key), _Held(owner, now + ttl, held.token), now)
+        return True
+
+    async def release(self, scope: str, key: str, owner: str) -> bool:
+        held = self._holder(scope, key, self._clock())
+        if held is None or held.owner != owner:
+            return False
+        del self._held[(scope, key)]
+        return True
+
+    def _entry(self, scope: str, key: str, now: float) -> _Versioned:
+        entry = self._versions.get((scope, key))
+        if entry is None or entry.until <= now:
+            return _Versioned(self._draw(scope), False, "", now)
+        return entry
+
+    def _keep(self, scope: str, key: str, entry: _Versioned, ttl: float) -> Version:
+        now = self._clock()
+        entry.until = now + ttl
+        _touch(self._versions, (scope, key), entry, now)
+        return Version(entry.number, entry.written)
+
+    async def version(self, scope: str, key: str, ttl: float) -> Version:
+        return self._keep(scope, key, self._entry(scope, key, self._clock()), ttl)
+
+    async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
+        entry = self._entry(scope, key, self._clock())
+        if entry.pending not in ("", owner):  # a write that never settled may have happened
+            entry = _Versioned(self._draw(scope), True, "", 0.0)
+        entry.pending = owner
+        return self._keep(scope, key, entry, ttl)
+
+    async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
+        entry = self._versions.get((scope, key))
+        if entry is None or entry.until <= self._clock() or entry.pending != owner:
             return None
-        return held
+        entry.pending = ""
+        if wrote:
+            entry.number, entry.written = self._draw(scope), True
+        return self._keep(scope, key, entry, ttl).number
 
-    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
-        now = self._clock()
-        held = self._holder(key, now)
-        if held is not None and held[0] != owner:
-            return Grant(None, held[1] - now)
-        if held is None:
-            self._tokens[key] = self._tokens.get(key, 0) + 1
-        self._held[key] = (owner, now + ttl)
-        return Grant(self._tokens[key])
 
-    async def renew(self, key: str, owner: str, ttl: float) -> bool:
-        now = self._clock()
-        held = self._holder(key, now)
-        if held is None or held[0] != owner:
-            return False
-        self._held[key] = (owner, now + ttl)
-        return True
+@dataclass(slots=True)
+class _Held:
+    owner: str
+    until: float
+    token: int
 
-    async def release(self, key: str, owner: str) -> bool:
-        held = self._holder(key, self._clock())
-        if held is None or held[0] != owner:
-            return False
-        del self._held[key]
-        return True
 
-    async def version(self, key: str) -> int:
-        return self._versions.get(key, 0)
+@dataclass(slots=True)
+class _Versioned:
+    number: int
+    written: bool
+    pending: str
+    """The owner of a write sent and not settled yet; "" if none."""
+    until: float
 
-    async def bump(self, key: str) -> int:
-        self._versions[key] = self._versions.get(key, 0) + 1
-        return self._versions[key]
+
+# How many lapsed entries one change of a lock or version drops at most.
+SWEEP_EACH = 16
+
+
+_E = TypeVar("_E", _Held, _Versioned)
+
+
+def _touch(entries: dict[tuple[str, str], _E], key: tuple[str, str], entry: _E, now: float) -> None:
+    """Put ``entry`` last (the order of last use), and drop a few lapsed ones at the front
+    (with ttls that differ, one that lapses behind a longer one waits for it)."""
+    entries.pop(key, None)
+    entries[key] = entry
+    for _ in range(SWEEP_EACH):
+        first = next(iter(entries))
+        if entries[first].until > now:
+            return
+        del entries[first]
 
 
 class MemoryQueue:

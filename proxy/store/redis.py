@@ -21,8 +21,10 @@ Keys::
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
     tp:{lim:<group>}:s:<key>  sorted set: slot owners, scored by their lease's end (ms)
     tp:{lim:<group>}:pause    string: until when (ms) the group (a route) is paused
-    tp:{lock:<key>}[:fence]   string: a resource lock's owner; its fencing counter
-    tp:{ver:<key>}            string: a resource's version
+    tp:{res:<scope>}:n        string: a scope's (a route's) counter of fencing tokens and
+                              versions, never expiring
+    tp:{res:<scope>}:l:<key>  hash: a resource lock's owner and token, for its lease
+    tp:{res:<scope>}:v:<key>  hash: a resource's version, its write mark, for versioning.ttl
     tp:{ops}:...              the job queue (``RedisQueue``: its keys are listed there)
 """
 
@@ -46,7 +48,7 @@ from redis.retry import Retry
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
-from proxy.store.locks import Grant
+from proxy.store.locks import Grant, Version
 from proxy.store.queue import Job, JobState
 
 KEY_PREFIX = "tp:"
@@ -737,23 +739,25 @@ class RedisBuckets:
         await self._store._script(_PAUSE, [limit_key(group, "pause")], _fms(seconds))
 
 
-# KEYS: lock, fencing counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken (or
-# already held by the owner), {0, pttl} when another owner holds it.
+# KEYS: lock, the scope's counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken
+# (or already held by the owner: its token), {0, pttl} when another owner holds it.
 _ACQUIRE_LOCK = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then
+local r = redis.call('HMGET', KEYS[1], 'ow', 'tk')
+if r[1] and r[1] ~= ARGV[1] then
   return {0, redis.call('PTTL', KEYS[1])}
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if holder then
-  return {tonumber(redis.call('GET', KEYS[2]) or 0), 0}
+local token = r[2]
+if not r[1] then
+  token = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[1], 'ow', ARGV[1], 'tk', token)
 end
-return {redis.call('INCR', KEYS[2]), 0}
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {tonumber(token), 0}
 """
 
 # KEYS: lock. ARGV: owner, ttl (ms). 1 if the owner held it (now extended).
 _RENEW_LOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if redis.call('HGET', KEYS[1], 'ow') == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -761,56 +765,129 @@ return 0
 
 # KEYS: lock. ARGV: owner. 1 if the owner held it (now deleted).
 _RELEASE_LOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if redis.call('HGET', KEYS[1], 'ow') == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
 
+# A version is a hash: n (number), w (1: set by a write), p (the owner of a write sent
+# and not settled, or ''). ``entry`` reads it, or makes a fresh unwritten one.
+_VERSION_LIB = """
+local function entry()
+  local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
+  if r[1] then return r end
+  return {redis.call('INCR', KEYS[2]), '0', ''}
+end
+local function keep(n, w, p, ttl)
+  redis.call('HSET', KEYS[1], 'n', n, 'w', w, 'p', p)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  return {tonumber(n), tonumber(w)}
+end
+"""
+
+# KEYS: version, the scope's counter. ARGV: ttl (ms). Returns {number, written}.
+_READ_VERSION = (
+    _VERSION_LIB
+    + """
+local r = entry()
+return keep(r[1], r[2], r[3], ARGV[1])
+"""
+)
+
+# KEYS: version, the scope's counter. ARGV: owner, ttl (ms). Returns {number, written}:
+# another owner's mark left unsettled gives a fresh written number (it may have written).
+_BEGIN_WRITE = (
+    _VERSION_LIB
+    + """
+local r = entry()
+if r[3] ~= '' and r[3] ~= ARGV[1] then
+  r = {redis.call('INCR', KEYS[2]), '1'}
+end
+return keep(r[1], r[2], ARGV[1], ARGV[2])
+"""
+)
+
+# KEYS: version, the scope's counter. ARGV: owner, wrote (0/1), ttl (ms). The number
+# after it, or nil if the owner's mark is not there (settled already).
+_SETTLE_WRITE = (
+    _VERSION_LIB
+    + """
+local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
+if r[3] ~= ARGV[1] then return nil end
+if ARGV[2] == '1' then
+  r = {redis.call('INCR', KEYS[2]), '1'}
+end
+return keep(r[1], r[2], '', ARGV[3])[1]
+"""
+)
+
 _SHA.update(
-    {s: hashlib.sha1(s.encode()).hexdigest() for s in (_ACQUIRE_LOCK, _RENEW_LOCK, _RELEASE_LOCK)}
+    {
+        s: hashlib.sha1(s.encode()).hexdigest()
+        for s in (
+            _ACQUIRE_LOCK,
+            _RENEW_LOCK,
+            _RELEASE_LOCK,
+            _READ_VERSION,
+            _BEGIN_WRITE,
+            _SETTLE_WRITE,
+        )
+    }
 )
 
 
-def lock_keys(key: str) -> list[str]:
-    """The Redis keys of a resource lock and of its fencing counter: one hash tag, so one
-    script touches both in a Redis Cluster. The counter has no expiry: it only grows."""
-    name = f"{KEY_PREFIX}{{lock:{key}}}"
-    return [name, name + ":fence"]
-
-
-def version_key(key: str) -> str:
-    """The Redis key of a resource's version (no expiry)."""
-    return f"{KEY_PREFIX}{{ver:{key}}}"
+def resource_keys(scope: str, kind: str, key: str) -> list[str]:
+    """The Redis keys of a resource's lock (``kind`` 'l') or version ('v'), then of its
+    scope's counter: one hash tag per scope, so one script touches both in a Redis
+    Cluster. The counter has no expiry (it only grows); the others do."""
+    tag = f"{KEY_PREFIX}{{res:{scope}}}"
+    return [f"{tag}:{kind}:{key}", tag + ":n"]
 
 
 class RedisLocks:
-    """``Locks`` as Lua scripts (compare and set, compare and delete): one round trip
-    per call; versions as plain GET and INCR."""
+    """``Locks`` as Lua scripts (compare and set, compare and delete, a version and its
+    mark): one round trip per call."""
 
     def __init__(self, store: RedisStore) -> None:
         self._store = store
 
-    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
-        reply = await self._store._script(_ACQUIRE_LOCK, lock_keys(key), owner, _ms(ttl))
+    async def acquire(self, scope: str, key: str, owner: str, ttl: float) -> Grant:
+        keys = resource_keys(scope, "l", key)
+        reply = await self._store._script(_ACQUIRE_LOCK, keys, owner, _ms(ttl))
         try:
             token, pttl = int(reply[0]), int(reply[1])
         except (ValueError, TypeError, IndexError) as exc:
             raise StoreError(f"redis store: malformed lock reply for {key}") from exc
         return Grant(None, max(pttl, 0) / 1000) if token == 0 else Grant(token)
 
-    async def renew(self, key: str, owner: str, ttl: float) -> bool:
-        return bool(await self._store._script(_RENEW_LOCK, lock_keys(key)[:1], owner, _ms(ttl)))
+    async def renew(self, scope: str, key: str, owner: str, ttl: float) -> bool:
+        keys = resource_keys(scope, "l", key)[:1]
+        return bool(await self._store._script(_RENEW_LOCK, keys, owner, _ms(ttl)))
 
-    async def release(self, key: str, owner: str) -> bool:
-        return bool(await self._store._script(_RELEASE_LOCK, lock_keys(key)[:1], owner))
+    async def release(self, scope: str, key: str, owner: str) -> bool:
+        keys = resource_keys(scope, "l", key)[:1]
+        return bool(await self._store._script(_RELEASE_LOCK, keys, owner))
 
-    async def version(self, key: str) -> int:
-        value = await self._store._command("GET", version_key(key))
-        return 0 if value is None else int(value)
+    async def version(self, scope: str, key: str, ttl: float) -> Version:
+        keys = resource_keys(scope, "v", key)
+        return _version(key, await self._store._script(_READ_VERSION, keys, _ms(ttl)))
 
-    async def bump(self, key: str) -> int:
-        return int(await self._store._command("INCR", version_key(key)))
+    async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
+        keys = resource_keys(scope, "v", key)
+        return _version(key, await self._store._script(_BEGIN_WRITE, keys, owner, _ms(ttl)))
+
+    async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
+        keys = resource_keys(scope, "v", key)
+        reply = await self._store._script(_SETTLE_WRITE, keys, owner, int(wrote), _ms(ttl))
+        return None if reply is None else int(reply)
+
+
+def _version(key: str, reply: Any) -> Version:
+    try:
+        return Version(int(reply[0]), bool(int(reply[1])))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise StoreError(f"redis store: malformed version reply for {key}") from exc
 
 
 # The job queue: every key under one hash tag, so each operation is one script, legal in

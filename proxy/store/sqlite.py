@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant
+from proxy.store.locks import Grant, Version
 from proxy.store.queue import Job, JobState
 
 T = TypeVar("T")
@@ -605,16 +605,24 @@ def _pause(db: sqlite3.Connection, now: float, group: str, seconds: float) -> No
 
 _LOCKS_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS resource_locks (key TEXT PRIMARY KEY, owner TEXT NOT NULL,"
-    " until REAL NOT NULL) WITHOUT ROWID",
+    " until REAL NOT NULL, token INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS resource_counters (kind TEXT NOT NULL, key TEXT NOT NULL,"
     " n INTEGER NOT NULL, PRIMARY KEY (kind, key)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS resource_versions (key TEXT PRIMARY KEY, n INTEGER NOT NULL,"
+    " written INTEGER NOT NULL, pending TEXT NOT NULL, until REAL NOT NULL) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS resource_versions_until ON resource_versions (until)",
+    # counters per resource, from before they were drawn per scope: unbounded, unused
+    "DELETE FROM resource_counters WHERE kind IN ('fence', 'version')",
 )
+# How many lapsed versions one change of a version deletes at most.
+SWEEP_EACH = 16
 
 
 class SQLiteLocks:
     """``Locks`` in the store's database: each call one ``BEGIN IMMEDIATE`` transaction
-    (so the processes of one host share them), on the store's thread and clock. Fencing
-    counters (``kind`` 'fence') and versions ('version') are rows that are never deleted."""
+    (so the processes of one host share them), on the store's thread and clock. A scope's
+    counter is a row of ``resource_counters`` (kind 'scope') that is never deleted; lapsed
+    versions are deleted, a few with each change of one."""
 
     def __init__(self, store: SQLiteStore) -> None:
         self._store = store
@@ -626,52 +634,61 @@ class SQLiteLocks:
             self._ready = True
         return await self._store._run(self._store._transaction, fn, *args)
 
-    async def acquire(self, key: str, owner: str, ttl: float) -> Grant:
-        return await self._call(_acquire_lock, key, owner, ttl)
+    async def acquire(self, scope: str, key: str, owner: str, ttl: float) -> Grant:
+        return await self._call(_acquire_lock, scope, key, owner, ttl)
 
-    async def renew(self, key: str, owner: str, ttl: float) -> bool:
-        return await self._call(_renew_lock, key, owner, ttl)
+    async def renew(self, scope: str, key: str, owner: str, ttl: float) -> bool:
+        return await self._call(_renew_lock, _scoped(scope, key), owner, ttl)
 
-    async def release(self, key: str, owner: str) -> bool:
-        return await self._call(_release_lock, key, owner)
+    async def release(self, scope: str, key: str, owner: str) -> bool:
+        return await self._call(_release_lock, _scoped(scope, key), owner)
 
-    async def version(self, key: str) -> int:
-        return await self._call(_counter, "version", key)
+    async def version(self, scope: str, key: str, ttl: float) -> Version:
+        return await self._call(_read_version, scope, key, ttl)
 
-    async def bump(self, key: str) -> int:
-        return await self._call(_increment, "version", key)
+    async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
+        return await self._call(_begin_write, scope, key, owner, ttl)
+
+    async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
+        return await self._call(_settle_write, scope, key, owner, wrote, ttl)
+
+
+def _scoped(scope: str, key: str) -> str:
+    return f"{scope}\n{key}"
 
 
 def _create_locks(db: sqlite3.Connection, now: float) -> None:
+    columns = {row[1] for row in db.execute("PRAGMA table_info(resource_locks)")}
+    if columns and "token" not in columns:  # a table from before tokens were kept with locks
+        db.execute("ALTER TABLE resource_locks ADD COLUMN token INTEGER NOT NULL DEFAULT 0")
     for statement in _LOCKS_SCHEMA:
         db.execute(statement)
 
 
-def _counter(db: sqlite3.Connection, now: float, kind: str, key: str) -> int:
+def _draw(db: sqlite3.Connection, scope: str) -> int:
+    """The next value of ``scope``'s counter."""
     row = db.execute(
-        "SELECT n FROM resource_counters WHERE kind = ? AND key = ?", (kind, key)
-    ).fetchone()
-    return 0 if row is None else int(row[0])
-
-
-def _increment(db: sqlite3.Connection, now: float, kind: str, key: str) -> int:
-    row = db.execute(
-        "INSERT INTO resource_counters (kind, key, n) VALUES (?, ?, 1)"
+        "INSERT INTO resource_counters (kind, key, n) VALUES ('scope', ?, 1)"
         " ON CONFLICT (kind, key) DO UPDATE SET n = n + 1 RETURNING n",
-        (kind, key),
+        (scope,),
     ).fetchone()
     return int(row[0])
 
 
-def _acquire_lock(db: sqlite3.Connection, now: float, key: str, owner: str, ttl: float) -> Grant:
-    row = db.execute("SELECT owner, until FROM resource_locks WHERE key = ?", (key,)).fetchone()
-    if row is not None and row[1] > now and row[0] != owner:
-        return Grant(None, row[1] - now)
+def _acquire_lock(
+    db: sqlite3.Connection, now: float, scope: str, key: str, owner: str, ttl: float
+) -> Grant:
+    name = _scoped(scope, key)
+    row = db.execute(
+        "SELECT owner, until, token FROM resource_locks WHERE key = ?", (name,)
+    ).fetchone()
     held = row is not None and row[1] > now
-    token = _counter(db, now, "fence", key) if held else _increment(db, now, "fence", key)
+    if held and row[0] != owner:
+        return Grant(None, row[1] - now)
+    token = int(row[2]) if held else _draw(db, scope)
     db.execute(
-        "INSERT OR REPLACE INTO resource_locks (key, owner, until) VALUES (?, ?, ?)",
-        (key, owner, now + ttl),
+        "INSERT OR REPLACE INTO resource_locks (key, owner, until, token) VALUES (?, ?, ?, ?)",
+        (name, owner, now + ttl, token),
     )
     return Grant(token)
 
@@ -689,6 +706,57 @@ def _release_lock(db: sqlite3.Connection, now: float, key: str, owner: str) -> b
         "DELETE FROM resource_locks WHERE key = ? AND owner = ? AND until > ?", (key, owner, now)
     )
     return cursor.rowcount == 1
+
+
+def _live_version(db: sqlite3.Connection, now: float, name: str) -> tuple[int, bool, str] | None:
+    row = db.execute(
+        "SELECT n, written, pending FROM resource_versions WHERE key = ? AND until > ?",
+        (name, now),
+    ).fetchone()
+    return None if row is None else (int(row[0]), bool(row[1]), str(row[2]))
+
+
+def _keep_version(
+    db: sqlite3.Connection, now: float, name: str, entry: tuple[int, bool, str], ttl: float
+) -> Version:
+    db.execute(
+        "INSERT OR REPLACE INTO resource_versions (key, n, written, pending, until)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (name, entry[0], int(entry[1]), entry[2], now + ttl),
+    )
+    db.execute(
+        "DELETE FROM resource_versions WHERE key IN"
+        " (SELECT key FROM resource_versions WHERE until <= ? LIMIT ?)",
+        (now, SWEEP_EACH),
+    )
+    return Version(entry[0], entry[1])
+
+
+def _read_version(db: sqlite3.Connection, now: float, scope: str, key: str, ttl: float) -> Version:
+    name = _scoped(scope, key)
+    entry = _live_version(db, now, name) or (_draw(db, scope), False, "")
+    return _keep_version(db, now, name, entry, ttl)
+
+
+def _begin_write(
+    db: sqlite3.Connection, now: float, scope: str, key: str, owner: str, ttl: float
+) -> Version:
+    name = _scoped(scope, key)
+    number, written, pending = _live_version(db, now, name) or (_draw(db, scope), False, "")
+    if pending not in ("", owner):  # a write that never settled may have happened
+        number, written = _draw(db, scope), True
+    return _keep_version(db, now, name, (number, written, owner), ttl)
+
+
+def _settle_write(
+    db: sqlite3.Connection, now: float, scope: str, key: str, owner: str, wrote: bool, ttl: float
+) -> int | None:
+    name = _scoped(scope, key)
+    entry = _live_version(db, now, name)
+    if entry is None or entry[2] != owner:
+        return None
+    number, written = (_draw(db, scope), True) if wrote else entry[:2]
+    return _keep_version(db, now, name, (number, written, ""), ttl).number
 
 
 # A job's columns in ``Job``'s order (``request`` is read as x'' where it is not shown).
