@@ -80,6 +80,9 @@ class MemoryStore:
     ) -> Claim:
         entry = self._live(key)
         now = self._clock()
+        mine = entry is not None and entry.record.owner == owner
+        if mine and entry is not None and entry.record.state is not State.IN_PROGRESS:
+            return Claim(self._view(key, entry))  # its own outcome: never claimed over
         if entry is not None and entry.record.owner != owner:
             lapsed = entry.record.state is State.IN_PROGRESS and entry.lease_until <= now
             if not lapsed:
@@ -121,19 +124,17 @@ class MemoryStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         entry = self._live(key)
         if entry is not None and entry.record.owner != owner:
             return False
-        if (
-            not replace_outcome
-            and entry is not None
-            and entry.record.state is not State.IN_PROGRESS
-        ):
+        if not replace_outcome and entry is not None and not _releasable(entry.record):
             return False
         wall = time.time()
         created = entry.record.created_at if entry is not None else wall
-        record = Record(state, fingerprint, owner, result_ttl, payload, None, created, wall)
+        ow = successor or owner
+        record = Record(state, fingerprint, ow, result_ttl, payload, None, created, wall)
         self._put(key, _Entry(record, self._clock() + result_ttl))
         return True
 

@@ -85,7 +85,7 @@ _CLAIM = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut')
-if r[1] and r[3] ~= ARGV[3] then
+if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
   if r[1] ~= 'in_progress' then
     return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7]}
   end
@@ -157,14 +157,16 @@ return 1
 """
 )
 
-# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member.
+# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member,
+# replace_outcome (0/1), the owner from now on.
 _COMPLETE = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'ow', 'ct', 'st')
 if r[1] and r[1] ~= ARGV[1] then return 0 end
-if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1],
+if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' and
+  (r[3] ~= 'failed' or redis.call('HSTRLEN', KEYS[1], 'pl') > 0) then return 0 end
+redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[8],
   'ct', r[2] or now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[6])
@@ -409,11 +411,13 @@ class RedisStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         record, _, index, member = _names(key)
         keys = [record, index]
         replace = "1" if replace_outcome else "0"
-        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace)
+        fenced = successor or owner
+        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace, fenced)
         return bool(await self._script(_COMPLETE, keys, *args))
 
     async def release(self, key: RecordKey, owner: str) -> bool:

@@ -158,6 +158,7 @@ class SQLiteStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         return await self._run(
             self._transaction,
@@ -169,6 +170,7 @@ class SQLiteStore:
             payload,
             result_ttl,
             replace_outcome,
+            successor or owner,
         )
 
     async def release(self, key: RecordKey, owner: str) -> bool:
@@ -277,6 +279,8 @@ def _claim(
     reexecute_lapsed: bool,
 ) -> Claim:
     existing = _select(db, now, key)
+    if existing is not None and existing.state is not State.IN_PROGRESS and existing.owner == owner:
+        return Claim(existing)  # its own outcome: never claimed over
     if existing is not None and existing.owner != owner:
         if not _lapsed(db, now, key):
             return Claim(existing)
@@ -349,11 +353,12 @@ def _complete(
     payload: bytes,
     result_ttl: float,
     replace_outcome: bool = True,
+    successor: str = "",
 ) -> bool:
     existing = _select(db, now, key)
     if existing is not None and existing.owner != owner:
         return False
-    if not replace_outcome and existing is not None and existing.state is not State.IN_PROGRESS:
+    if not replace_outcome and existing is not None and _has_outcome(existing):
         return False
     created = existing.created_at if existing is not None else now
     db.execute(
@@ -364,7 +369,7 @@ def _complete(
             key.name,
             state.value,
             fingerprint,
-            owner,
+            successor or owner,
             now + result_ttl,
             created,
             now,
@@ -373,6 +378,11 @@ def _complete(
         ],
     )
     return True
+
+
+def _has_outcome(record: Record) -> bool:
+    """COMPLETED, or FAILED with its reason (not a lapsed lease): an attempt's outcome."""
+    return record.state is not State.IN_PROGRESS and not record.lapsed
 
 
 def _records(db: sqlite3.Connection, now: float, scope: str) -> list[Record]:
