@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -37,7 +38,7 @@ from proxy.jobs import (
 )
 from proxy.store import Job, JobState, RecordKey, State
 from proxy.store.memory import MemoryQueue, MemoryStore
-from tests.conftest import ProxyFactory, new_key, route
+from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
 from tests.test_auth import auth_config
@@ -447,11 +448,11 @@ def test_a_large_request_body_waits_in_object_storage(
 class CountingQueue(MemoryQueue):
     """A memory queue that counts the event reads (a unit test's stand-in for a store)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, clock: Any = time.time) -> None:
+        super().__init__(clock)
         self.reads = 0
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         self.reads += 1
         return await super().events(id, after)
 
@@ -472,6 +473,25 @@ async def test_many_readers_of_one_operation_share_one_store_read_per_change() -
     states = await asyncio.gather(*readers)
     assert states == [["queued", "running", "completed"]] * 50
     assert queue.reads <= 6  # once at the start and once per change (not 50 times each)
+    hub.close()
+
+
+@pytest.mark.anyio
+async def test_the_stream_of_an_operation_that_expired_while_queued_ends(clock: Clock) -> None:
+    """Nobody took the job before it expired (``keep``): its readers' streams end,
+    instead of polling the store for ever."""
+    clock.now = time.time()
+    queue = CountingQueue(clock)
+    hub = Hub(queue, structlog.get_logger())
+    job = await queue.submit(
+        Job(id="op", route="r", principal="", slot="s", name="n", label="l", keep=60)
+    )
+    reader = asyncio.create_task(_states(hub, job.id))
+    await asyncio.sleep(0.05)
+    clock.now += 61
+    hub.poke(job.id)
+    async with asyncio.timeout(5):
+        assert await reader == ["queued"]
     hub.close()
 
 

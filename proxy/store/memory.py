@@ -411,9 +411,9 @@ class MemoryQueue:
     async def get(self, id: str) -> Job | None:
         return self._live(id)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         if self._live(id) is None:
-            return []
+            return None
         return [event for event in self._events.get(id, []) if event.seq > after]
 
     def _held(self, id: str, now: float) -> tuple[str, float] | None:

@@ -95,9 +95,9 @@ class Queue(Protocol):
     async def get(self, id: str) -> Job | None:
         """The job, or None (never submitted, or expired)."""
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         """The job's snapshots with ``seq`` above ``after``, oldest first (``request``
-        empty); [] for an unknown job."""
+        empty); None for an unknown job (never submitted, or expired): a reader stops."""
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
         """Hold the next job of ``route`` for ``worker`` for ``visibility`` seconds: a due

@@ -1088,11 +1088,11 @@ class RedisQueue:
         reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS)
         return None if reply[0] is None else _job(reply)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         keys = [queue_key("job", id), queue_key("ev", id)]
         reply = await self._store._script(_JOB_EVENTS, keys, after)
         if reply is None:
-            return []
+            return None
         try:
             id_, route, principal, slot, name, label, keep, created = reply[0]
             fixed = (id_, route, principal, slot, name, label, b"", keep)

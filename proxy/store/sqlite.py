@@ -747,7 +747,7 @@ class SQLiteQueue:
     async def get(self, id: str) -> Job | None:
         return await self._read(_get_job, id)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         return await self._read(_job_events, id, after)
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
@@ -843,10 +843,10 @@ def _get_job(db: sqlite3.Connection, now: float, id: str) -> Job | None:
     return None if row is None else _job(row)
 
 
-def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list[Job]:
+def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list[Job] | None:
     job = _get_job(db, now, id)
     if job is None:
-        return []
+        return None
     rows = db.execute(
         "SELECT seq, state, attempts, sent, error, updated_at, due FROM job_events"
         " WHERE id = ? AND seq > ? ORDER BY seq",
