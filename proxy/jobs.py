@@ -303,7 +303,9 @@ class RouteJobs:
                 return None
             job = await self.queue.get(existing)
             if job is None:
-                return None
+                if not await self._release_unqueued(op, record):
+                    return None
+                continue
             if job.state not in NEVER_RAN:
                 return await self._answer(job, op, how)
             if not await self._release_never_ran(job.id, op.key, record.owner):
@@ -318,6 +320,17 @@ class RouteJobs:
         self._wake.set()
         self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
         return await self._answer(job, op, how)
+
+    async def _release_unqueued(self, op: Operation, record: Record) -> bool:
+        """Release a key claimed for a job that was never queued (its submitter failed, or
+        died, between the claim and the queue): nothing was sent. Only a claim never
+        renewed (no worker started it) and older than ``lock_ttl`` (its submitter is not
+        still queueing it): False otherwise."""
+        age = self.config.max_queued - record.ttl
+        if record.updated_at != record.created_at or age < self.guard.policy.lock_ttl:
+            return False
+        self.log.warning("job_claim_released_unqueued", route=self.route.name, key=op.label)
+        return await self.store.release(op.key, record.owner)
 
     async def _release_never_ran(self, job_id: str, key: RecordKey, owner: str) -> bool:
         """Release the key of a cancelled or dead job whose own release was lost (nothing

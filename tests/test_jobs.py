@@ -605,6 +605,45 @@ def test_a_cancel_whose_release_failed_releases_when_sent_again(
     assert until(proxy.url, resent.headers["location"], "completed")["attempts"] == 1
 
 
+def test_a_key_claimed_for_a_job_that_was_never_queued_is_released_for_a_retry(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fails between the claim and the queue, and fails the release too (or
+    the proxy dies there): the key is held by a job that does not exist. A retry past
+    lock_ttl (1 s) releases it, since nothing was sent, and runs the call once."""
+    submit, release = MemoryQueue.submit, MemoryStore.release
+    down: list[str] = []
+
+    async def failing_submit(self: MemoryQueue, job: Job) -> Job:
+        if not down:
+            down.append(job.id)
+            raise StoreUnavailable("blip")
+        return await submit(self, job)
+
+    async def failing_release(self: MemoryStore, key: Any, owner: str) -> bool:
+        if down and owner == JOB_OWNER + down[0] and len(down) == 1:
+            down.append("release")
+            raise StoreUnavailable("blip")
+        return await release(self, key, owner)
+
+    monkeypatch.setattr(MemoryQueue, "submit", failing_submit)
+    monkeypatch.setattr(MemoryStore, "release", failing_release)
+    proxy = make_proxy(_fault_route(tool.url))
+    key = new_key(BODY)
+    assert post(proxy.url, key=key, **ASYNC).status_code == 503
+    assert down == [down[0], "release"]
+    answers: list[httpx.Response] = []
+
+    def accepted() -> bool:
+        answers.append(post(proxy.url, key=key, **ASYNC))
+        return answers[-1].status_code == 202
+
+    wait_for(accepted, what="a retry to be accepted")
+    assert {a.status_code for a in answers[:-1]} <= {409}
+    assert until(proxy.url, answers[-1].headers["location"], "completed")["attempts"] == 1
+    assert tool.count(key) == 1
+
+
 def test_the_async_preferences_are_not_forwarded_to_the_tool(
     tool: CountingTool, make_proxy: ProxyFactory
 ) -> None:
