@@ -230,6 +230,18 @@ async def test_a_job_queued_again_at_once_is_taken_at_once(queue: Queue) -> None
     assert taken is not None and taken.state is JobState.QUEUED
 
 
+async def test_a_spent_job_drops_its_request_and_a_dead_one_keeps_it(queue: Queue) -> None:
+    """The request holds the caller's credentials: once the job ends for good (completed,
+    failed, cancelled) it is never sent again and is dropped; a dead job may be requeued."""
+    for state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.DEAD):
+        await queue.submit(job(state.value))
+        ended = await queue.move(state.value, QUEUED, state)
+        got = await queue.get(state.value)
+        assert ended is not None and got is not None
+        kept = job().request if state is JobState.DEAD else b""
+        assert (ended.request, got.request) == (kept, kept), state
+
+
 async def test_events_keep_every_change(queue: Queue) -> None:
     await queue.submit(job())
     await queue.take("slow", "w1", VISIBILITY)

@@ -476,6 +476,7 @@ class MemoryQueue:
             updated_at=now,
             due=now + due if state is JobState.QUEUED else job.due,
             seq=job.seq + 1,
+            request=b"" if state.spent else job.request,
         )
         if state is not JobState.RUNNING:
             self._holds.pop(id, None)

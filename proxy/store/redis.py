@@ -967,6 +967,10 @@ if not r[1] or not string.find(ARGV[1], ',' .. r[1] .. ',', 1, true) then return
 if ARGV[3] ~= '' and (r[2] ~= ARGV[3] or tonumber(r[3]) <= now) then return false end
 local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1, 'tk', ARGV[5]}
 for i = 6, #ARGV do table.insert(set, ARGV[i]) end
+if state == 'completed' or state == 'failed' or state == 'cancelled' then
+  table.insert(set, 'rq') -- spent: the request (credentials and all) is dropped
+  table.insert(set, '')
+end
 if state ~= 'running' then
   unqueue(r[5], r[6], r[4])
   local entry, due = '', now + tonumber(ARGV[4])

@@ -919,7 +919,8 @@ def _move_job(
         "UPDATE jobs SET state = ?, attempts = coalesce(?, attempts), sent = coalesce(?, sent),"
         " error = coalesce(?, error), updated_at = ?, expires_at = ? + keep, seq = seq + 1,"
         " due = coalesce(?, due), holder = CASE WHEN ? THEN holder ELSE '' END,"
-        " held_until = CASE WHEN ? THEN held_until ELSE 0 END"
+        " held_until = CASE WHEN ? THEN held_until ELSE 0 END,"
+        " request = CASE WHEN ? THEN x'' ELSE request END"
         f" WHERE {where} RETURNING {_JOB_COLUMNS}",
         (
             state.value,
@@ -931,6 +932,7 @@ def _move_job(
             now + due if state is JobState.QUEUED else None,
             held,
             held,
+            state.spent,
             *fence,
         ),
     ).fetchone()
