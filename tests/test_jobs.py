@@ -388,7 +388,7 @@ def test_only_the_principal_that_submitted_it_or_an_operator_sees_an_operation(
     )
     alice = {"Authorization": f"Bearer {idp.token('alice')}"}
     bob = {"Authorization": f"Bearer {idp.token('bob')}"}
-    location = post(proxy.url, query="?delay=1", **ASYNC, **alice).headers["location"]
+    location = post(proxy.url, query="?delay=3", **ASYNC, **alice).headers["location"]
     assert httpx.get(proxy.url + location, headers=alice).status_code == 200
     assert httpx.get(proxy.url + location, headers=bob).status_code == 404
     assert httpx.delete(proxy.url + location, headers=bob).status_code == 404
