@@ -443,10 +443,11 @@ class Guard:
         finally:
             self.tasks.leave()
 
-    async def conclude_unknown(self, lease: Lease, exc: OutcomeUnknown) -> bool:
+    async def conclude_unknown(self, lease: Lease, exc: OutcomeUnknown, successor: str) -> bool:
         """Record ``exc``: the outcome of a job's call is unknown (never sent again); but
-        never over an outcome its worker recorded meanwhile: False then. A store out of
-        reach raises ``StoreUnavailable`` (the job's next taker concludes it)."""
+        never over an outcome its worker recorded meanwhile: False then. The record is
+        ``successor``'s from then on, so the attempt taken over can no longer write it. A
+        store out of reach raises ``StoreUnavailable`` (the job's next taker concludes it)."""
         lease.stop()
         op, payload = lease.op, StoredResponse.of_problem(exc).encode()
         return await self.store.complete(
@@ -457,6 +458,7 @@ class Guard:
             payload,
             self.policy.result_ttl,
             replace_outcome=False,
+            successor=successor,
         )
 
     def _check_fingerprint(self, record: Record, op: Operation) -> None:

@@ -36,11 +36,14 @@ class Watch:
         self._poked = asyncio.Event()
         self._grown = asyncio.Event()
         self._closed = False
+        self._gone = False
         self._task = asyncio.create_task(self._read_forever())
 
     @property
     def ended(self) -> bool:
-        return self._closed or (bool(self.events) and self.events[-1].state.terminal)
+        """The job ended, or is gone from the store (it expired, e.g. while queued): its
+        readers' streams end."""
+        return self._closed or self._gone or (bool(self.events) and self.events[-1].state.terminal)
 
     def poke(self) -> None:
         """The job changed: read its events now."""
@@ -55,6 +58,10 @@ class Watch:
             except ProxyError as exc:  # the store is away, or answered nonsense: poll again
                 self._hub.log.warning("job_events_unreadable", job=self.id, error=exc.detail)
                 new = []
+            if new is None:  # expired: nothing more will ever come
+                self._gone = True
+                self._grown.set()
+                return
             if new:
                 self.events.extend(new)
                 grown, self._grown = self._grown, asyncio.Event()

@@ -230,8 +230,17 @@ async def requeue_lock(store: Store, job_id: str) -> AsyncIterator[bool]:
 
 
 def job_id_of(owner: str) -> str | None:
-    """The job whose record this is, from the record's owner."""
-    return owner[len(JOB_OWNER) :] if owner.startswith(JOB_OWNER) else None
+    """The job whose record this is, from the record's owner (``job.<id>``, or a taker's
+    ``job.<id>.<token>``)."""
+    if not owner.startswith(JOB_OWNER):
+        return None
+    return owner[len(JOB_OWNER) :].partition(".")[0]
+
+
+def taker_owner(job_id: str) -> str:
+    """The owner a job's taker records "unknown" as: the attempt it took over, owner
+    ``job.<id>``, can no longer write the record (``Store.complete(successor=)``)."""
+    return f"{JOB_OWNER}{job_id}.{OWNERS.new()}"
 
 
 def _problem(exc: ProxyError) -> bytes:
@@ -295,7 +304,9 @@ class RouteJobs:
                 return None
             job = await self.queue.get(existing)
             if job is None:
-                return None
+                if not await self._release_unqueued(op, record):
+                    return None
+                continue
             if job.state not in NEVER_RAN:
                 return await self._answer(job, op, how)
             if not await self._release_never_ran(job.id, op.key, record.owner):
@@ -310,6 +321,17 @@ class RouteJobs:
         self._wake.set()
         self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
         return await self._answer(job, op, how)
+
+    async def _release_unqueued(self, op: Operation, record: Record) -> bool:
+        """Release a key claimed for a job that was never queued (its submitter failed, or
+        died, between the claim and the queue): nothing was sent. Only a claim never
+        renewed (no worker started it) and older than ``lock_ttl`` (its submitter is not
+        still queueing it): False otherwise."""
+        age = self.config.max_queued - record.ttl
+        if record.updated_at != record.created_at or age < self.guard.policy.lock_ttl:
+            return False
+        self.log.warning("job_claim_released_unqueued", route=self.route.name, key=op.label)
+        return await self.store.release(op.key, record.owner)
 
     async def _release_never_ran(self, job_id: str, key: RecordKey, owner: str) -> bool:
         """Release the key of a cancelled or dead job whose own release was lost (nothing
@@ -369,7 +391,7 @@ class RouteJobs:
         record = await self.store.get(RecordKey(job.slot, job.name))
         if record is None or record.state is State.IN_PROGRESS or record.lapsed:
             return None
-        if record.owner != JOB_OWNER + job.id:  # the key's later call, not this operation's
+        if job_id_of(record.owner) != job.id:  # the key's later call, not this operation's
             return None
         stored = StoredResponse.decode(record.payload)
         if first and stored.ref is None:
@@ -514,9 +536,9 @@ class RouteJobs:
             return
         # the record says how it ended (a streamed body is concluded once read whole)
         record = await self.store.get(lease.op.key)
-        if _recorded(record, lease.owner):
+        if _recorded(record, job.id):
             assert record is not None
-            await self._ended_as_recorded(job, record.state, record.payload, worker)
+            await self._ended_as_recorded(job, record.state, record.payload)
             return
         state = JobState.COMPLETED if outcome is Outcome.EXECUTED else JobState.FAILED
         failure = error if state is JobState.FAILED else b""
@@ -569,22 +591,17 @@ class RouteJobs:
         dead = attempts >= self.config.attempts or final
         delay = 0.0
         if dead:
-            await self.store.release(key, owner)
+            ours = await self.store.release(key, owner)
         else:
             delay = self._backoff(attempts, told)
             ttl = self.guard.job_record_ttl(self.config.max_queued)
-            await self.store.renew(key, owner, self.config.max_queued, ttl)
+            ours = await self.store.renew(key, owner, self.config.max_queued, ttl)
         state = JobState.DEAD if dead else JobState.QUEUED
-        await self.queue.move(
-            job.id,
-            expect,
-            state,
-            worker=worker,
-            attempts=attempts,
-            sent=False,
-            error=error,
-            due=delay,
-        )
+        fields: dict[str, Any] = {"attempts": attempts, "sent": False, "error": error}
+        moved = await self.queue.move(job.id, expect, state, worker=worker, **fields, due=delay)
+        if moved is None and ours and expect == RUNNING:  # a taker holds it, and waits on
+            # the record, still this attempt's: nothing ran, so the job moves on as it says
+            await self.queue.move(job.id, expect, state, **fields, due=delay)
         self.hub.poke(job.id)
         if dead:
             self.log.error("job_dead", route=self.route.name, key=job.label, job=job.id)
@@ -618,20 +635,31 @@ class RouteJobs:
     async def _taken_over_after_sending(
         self, job: Job, op: Operation, owner: str, worker: str
     ) -> None:
-        """The worker that ran this job stopped while its call may have been in flight:
-        record the outcome as unknown (unless its worker recorded one: that is kept, in
-        one step with the check); the call is never sent again."""
+        """The worker that ran this job stopped renewing its hold while its call may have
+        been in flight. While the record's lease is live, that worker may be alive (its
+        hold lapsed, not its lease): nothing is done, and the job is looked at again when
+        this hold lapses. Once the lease lapsed, the outcome is recorded as unknown as this
+        taker's (the attempt's late answer can no longer replace it), unless the attempt
+        recorded one (kept, in one step with the check); the call is never sent again."""
+        record = await self.store.get(op.key)
+        if _recorded(record, job.id):  # recorded by its worker, which could not say so
+            assert record is not None
+            await self._ended_as_recorded(job, record.state, record.payload)
+            return
+        if _leased(record, owner):
+            self.log.warning("job_takeover_deferred", route=self.route.name, job=job.id)
+            return
         unknown = OutcomeUnknown(
             "the proxy running this operation stopped while its call was in flight; it may "
             "have been executed, so it is not sent again",
             status=502,
         )
         lease = self.guard.job_lease(op, owner, asyncio.get_running_loop().time())
-        if not await self.guard.conclude_unknown(lease, unknown):
+        if not await self.guard.conclude_unknown(lease, unknown, taker_owner(job.id)):
             record = await self.store.get(op.key)
-            if _recorded(record, owner):  # recorded by its worker, which could not say so
+            if _recorded(record, job.id):  # recorded by its worker meanwhile
                 assert record is not None
-                await self._ended_as_recorded(job, record.state, record.payload, worker)
+                await self._ended_as_recorded(job, record.state, record.payload)
                 return
         self.log.error("job_taken_over_after_sending", route=self.route.name, job=job.id)
         await self.queue.move(
@@ -639,15 +667,17 @@ class RouteJobs:
         )
         self.hub.poke(job.id)
 
-    async def _ended_as_recorded(self, job: Job, state: State, payload: bytes, worker: str) -> None:
-        """Move a job whose record holds its outcome to the state the record says."""
+    async def _ended_as_recorded(self, job: Job, state: State, payload: bytes) -> None:
+        """Move a job whose record holds its outcome to the state the record says, whoever
+        holds it now: no attempt can record another outcome (a taker fences the attempt it
+        takes over), so the job follows its record."""
         ended = JobState.COMPLETED if state is State.COMPLETED else JobState.FAILED
         error = b""
         if ended is JobState.FAILED:
             error = StoredResponse.decode(payload).body
-        await self._end(job, ended, error, worker)
+        await self._end(job, ended, error, None)
 
-    async def _end(self, job: Job, state: JobState, error: bytes, worker: str) -> None:
+    async def _end(self, job: Job, state: JobState, error: bytes, worker: str | None) -> None:
         moved = await self.queue.move(job.id, RUNNING | QUEUED, state, worker=worker, error=error)
         self.hub.poke(job.id)
         self.log.info(
@@ -698,13 +728,24 @@ def listing(job: Job) -> dict[str, Any]:
     return {**document(job), "route": job.route, "key": job.label}
 
 
-def _recorded(record: Record | None, owner: str) -> bool:
-    """``owner``'s outcome is in ``record`` (COMPLETED, or FAILED with its reason)."""
+def _recorded(record: Record | None, job_id: str) -> bool:
+    """An outcome of job ``job_id`` is in ``record`` (COMPLETED, or FAILED with its
+    reason), recorded by an attempt or by a taker."""
+    return (
+        record is not None
+        and job_id_of(record.owner) == job_id
+        and record.state is not State.IN_PROGRESS
+        and not record.lapsed
+    )
+
+
+def _leased(record: Record | None, owner: str) -> bool:
+    """``record`` is ``owner``'s, IN_PROGRESS, its lease live: its attempt may go on."""
     return (
         record is not None
         and record.owner == owner
-        and record.state is not State.IN_PROGRESS
-        and not record.lapsed
+        and record.state is State.IN_PROGRESS
+        and record.ttl > 0
     )
 
 

@@ -364,6 +364,15 @@ class ProxyProcess:
         self.process.wait(10)
         self.process = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the proxy stalls (a long GC pause, a frozen VM), timers and all."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def events(self) -> list[dict[str, Any]]:
         lines = self.log_path.read_text().splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]

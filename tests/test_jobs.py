@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -37,7 +38,7 @@ from proxy.jobs import (
 )
 from proxy.store import Job, JobState, RecordKey, State
 from proxy.store.memory import MemoryQueue, MemoryStore
-from tests.conftest import ProxyFactory, new_key, route
+from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
 from tests.test_auth import auth_config
@@ -387,7 +388,7 @@ def test_only_the_principal_that_submitted_it_or_an_operator_sees_an_operation(
     )
     alice = {"Authorization": f"Bearer {idp.token('alice')}"}
     bob = {"Authorization": f"Bearer {idp.token('bob')}"}
-    location = post(proxy.url, query="?delay=1", **ASYNC, **alice).headers["location"]
+    location = post(proxy.url, query="?delay=3", **ASYNC, **alice).headers["location"]
     assert httpx.get(proxy.url + location, headers=alice).status_code == 200
     assert httpx.get(proxy.url + location, headers=bob).status_code == 404
     assert httpx.delete(proxy.url + location, headers=bob).status_code == 404
@@ -447,11 +448,11 @@ def test_a_large_request_body_waits_in_object_storage(
 class CountingQueue(MemoryQueue):
     """A memory queue that counts the event reads (a unit test's stand-in for a store)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, clock: Any = time.time) -> None:
+        super().__init__(clock)
         self.reads = 0
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         self.reads += 1
         return await super().events(id, after)
 
@@ -472,6 +473,25 @@ async def test_many_readers_of_one_operation_share_one_store_read_per_change() -
     states = await asyncio.gather(*readers)
     assert states == [["queued", "running", "completed"]] * 50
     assert queue.reads <= 6  # once at the start and once per change (not 50 times each)
+    hub.close()
+
+
+@pytest.mark.anyio
+async def test_the_stream_of_an_operation_that_expired_while_queued_ends(clock: Clock) -> None:
+    """Nobody took the job before it expired (``keep``): its readers' streams end,
+    instead of polling the store for ever."""
+    clock.now = time.time()
+    queue = CountingQueue(clock)
+    hub = Hub(queue, structlog.get_logger())
+    job = await queue.submit(
+        Job(id="op", route="r", principal="", slot="s", name="n", label="l", keep=60)
+    )
+    reader = asyncio.create_task(_states(hub, job.id))
+    await asyncio.sleep(0.05)
+    clock.now += 61
+    hub.poke(job.id)
+    async with asyncio.timeout(5):
+        assert await reader == ["queued"]
     hub.close()
 
 
@@ -583,6 +603,45 @@ def test_a_cancel_whose_release_failed_releases_when_sent_again(
     resent = post(proxy.url, key=key, **ASYNC)  # a new operation runs the call
     assert resent.status_code == 202 and resent.headers["location"] != location
     assert until(proxy.url, resent.headers["location"], "completed")["attempts"] == 1
+
+
+def test_a_key_claimed_for_a_job_that_was_never_queued_is_released_for_a_retry(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fails between the claim and the queue, and fails the release too (or
+    the proxy dies there): the key is held by a job that does not exist. A retry past
+    lock_ttl (1 s) releases it, since nothing was sent, and runs the call once."""
+    submit, release = MemoryQueue.submit, MemoryStore.release
+    down: list[str] = []
+
+    async def failing_submit(self: MemoryQueue, job: Job) -> Job:
+        if not down:
+            down.append(job.id)
+            raise StoreUnavailable("blip")
+        return await submit(self, job)
+
+    async def failing_release(self: MemoryStore, key: Any, owner: str) -> bool:
+        if down and owner == JOB_OWNER + down[0] and len(down) == 1:
+            down.append("release")
+            raise StoreUnavailable("blip")
+        return await release(self, key, owner)
+
+    monkeypatch.setattr(MemoryQueue, "submit", failing_submit)
+    monkeypatch.setattr(MemoryStore, "release", failing_release)
+    proxy = make_proxy(_fault_route(tool.url))
+    key = new_key(BODY)
+    assert post(proxy.url, key=key, **ASYNC).status_code == 503
+    assert down == [down[0], "release"]
+    answers: list[httpx.Response] = []
+
+    def accepted() -> bool:
+        answers.append(post(proxy.url, key=key, **ASYNC))
+        return answers[-1].status_code == 202
+
+    wait_for(accepted, what="a retry to be accepted")
+    assert {a.status_code for a in answers[:-1]} <= {409}
+    assert until(proxy.url, answers[-1].headers["location"], "completed")["attempts"] == 1
+    assert tool.count(key) == 1
 
 
 def test_the_async_preferences_are_not_forwarded_to_the_tool(

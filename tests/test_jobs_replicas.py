@@ -7,7 +7,10 @@ one that dies while its operation's call is in flight leaves it FAILED, never se
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from tests.conftest import new_key, route
 from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, running, wait_for
@@ -138,3 +145,101 @@ def test_a_tool_that_always_answers_503_ends_dead(redis: RedisServer, tmp_path: 
         dead = until(b.url, location, "dead", "completed", "failed")
         assert dead["state"] == "dead" and dead["attempts"] == 3
         assert tool.calls[key] == 3
+
+
+# -- a takeover never contradicts its record -------------------------------------------------
+
+
+class GateTool:
+    """Holds every call until ``gate`` is set, then answers it; counts arrivals."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.arrived: Counter[str] = Counter()
+        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["POST"])])
+
+    async def handle(self, request: Request) -> Response:
+        key = request.headers["idempotency-key"]
+        self.arrived[key] += 1
+        await asyncio.to_thread(self.gate.wait, 60)
+        return JSONResponse({"answer": key})
+
+
+@contextmanager
+def stalled_worker(
+    redis: RedisServer, tmp_path: Path, lock_ttl: str
+) -> Iterator[tuple[GateTool, ProxyProcess, ProxyProcess, str, str]]:
+    """Replica ``a`` sends a call that the tool holds, then ``b`` starts and ``a`` is
+    stopped (SIGSTOP) with the call in flight: ``b`` takes the job over once ``a``'s hold
+    (visibility 1 s) lapses, while ``a`` lives on. Yields the tool, a, b, key, location."""
+    tool = GateTool()
+    with running(ThreadServer(tool.app)) as server:
+        spec = config(redis, server.url, workers={"concurrency": 1})
+        spec["routes"][0]["idempotency"]["lock_ttl"] = lock_ttl
+        a = ProxyProcess(spec, tmp_path).start()
+        b: ProxyProcess | None = None
+        try:
+            key = new_key(BODY)
+            location = post(a.url, key=key, **ASYNC).headers["location"]
+            wait_for(lambda: tool.arrived[key] == 1, what="a's call to reach the tool")
+            b = ProxyProcess(spec, tmp_path).start()
+            a.pause()
+            yield tool, a, b, key, location
+        finally:
+            tool.gate.set()
+            if a.process is not None:
+                a.resume()
+                a.stop()
+            if b is not None:
+                b.stop()
+
+
+def _agree(proxy: ProxyProcess, key: str, location: str, state: str) -> httpx.Response:
+    """The operation's state, its /result and the key's replay say the same."""
+    assert until(proxy.url, location, "completed", "failed")["state"] == state
+    result = httpx.get(proxy.url + location + "/result")
+    replay = post(proxy.url, key=key)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert (result.status_code, result.content) == (replay.status_code, replay.content)
+    assert result.status_code == (200 if state == "completed" else 502)
+    return result
+
+
+def test_a_taker_waits_for_a_stalled_worker_whose_lease_is_live(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """``a``'s hold lapses but not its lease (10 s): ``b`` waits on the record instead of
+    ending the operation failed; ``a`` wakes, gets the answer, and its answer is the
+    operation's, its result's and its key's."""
+    with stalled_worker(redis, tmp_path, "10s") as (tool, a, b, key, location):
+        wait_for(
+            lambda: (
+                any(e["event"] == "job_takeover_deferred" for e in b.events())
+                or until(b.url, location, "queued", "running", "failed", "completed")["state"]
+                == "failed"
+            ),
+            what="b to take the job over",
+        )
+        a.resume()
+        tool.gate.set()
+        result = _agree(b, key, location, "completed")
+        assert result.json() == {"answer": key} and tool.arrived[key] == 1
+
+
+def test_a_stalled_workers_late_answer_never_replaces_its_takers_unknown(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """``a`` stays stopped past its lease (3 s): ``b`` records the outcome as unknown and
+    ends the operation failed. ``a`` then wakes and gets the tool's answer: it is not
+    recorded over ``b``'s (the record is fenced), so all three still say failed."""
+    with stalled_worker(redis, tmp_path, "3s") as (tool, a, b, key, location):
+        until(b.url, location, "failed", "completed")
+        a.resume()
+        tool.gate.set()
+        wait_for(
+            lambda: any(e["event"] == "job_ended" for e in a.events()),
+            what="a to get its answer and end",
+        )
+        result = _agree(b, key, location, "failed")
+        assert result.json()["type"] == "urn:tool-proxy:problem:outcome-unknown"
+        assert tool.arrived[key] == 1

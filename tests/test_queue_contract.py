@@ -31,6 +31,13 @@ QUEUED = frozenset({JobState.QUEUED})
 RUNNING = frozenset({JobState.RUNNING})
 
 
+async def kept_events(queue: Queue, id: str, after: int) -> list[Job]:
+    """The events of a job that exists."""
+    events = await queue.events(id, after)
+    assert events is not None
+    return events
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -73,7 +80,7 @@ async def test_a_submitted_job_is_queued_with_its_first_event(queue: Queue) -> N
         "abc",
         "plan:1:abc",
     )
-    events = await queue.events("job-1", 0)
+    events = await kept_events(queue, "job-1", 0)
     assert [(e.seq, e.state, e.request) for e in events] == [(1, JobState.QUEUED, b"")]
 
 
@@ -85,7 +92,7 @@ async def test_an_id_in_use_is_refused(queue: Queue) -> None:
 
 async def test_unknown_jobs(queue: Queue) -> None:
     assert await queue.get("nope") is None
-    assert await queue.events("nope", 0) == []
+    assert await queue.events("nope", 0) is None
     assert await queue.move("nope", ACTIVE, JobState.CANCELLED) is None
     assert not await queue.hold("nope", "w1", VISIBILITY)
     assert await queue.take("slow", "w1", VISIBILITY) is None
@@ -223,19 +230,31 @@ async def test_a_job_queued_again_at_once_is_taken_at_once(queue: Queue) -> None
     assert taken is not None and taken.state is JobState.QUEUED
 
 
+async def test_a_spent_job_drops_its_request_and_a_dead_one_keeps_it(queue: Queue) -> None:
+    """The request holds the caller's credentials: once the job ends for good (completed,
+    failed, cancelled) it is never sent again and is dropped; a dead job may be requeued."""
+    for state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.DEAD):
+        await queue.submit(job(state.value))
+        ended = await queue.move(state.value, QUEUED, state)
+        got = await queue.get(state.value)
+        assert ended is not None and got is not None
+        kept = job().request if state is JobState.DEAD else b""
+        assert (ended.request, got.request) == (kept, kept), state
+
+
 async def test_events_keep_every_change(queue: Queue) -> None:
     await queue.submit(job())
     await queue.take("slow", "w1", VISIBILITY)
     await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1, sent=True)
     await queue.move("job-1", RUNNING, JobState.COMPLETED, worker="w1")
-    events = await queue.events("job-1", 0)
+    events = await kept_events(queue, "job-1", 0)
     assert [(e.seq, e.state, e.attempts) for e in events] == [
         (1, JobState.QUEUED, 0),
         (2, JobState.RUNNING, 1),
         (3, JobState.COMPLETED, 1),
     ]
     assert all(e.request == b"" and e.id == "job-1" for e in events)
-    assert [e.seq for e in await queue.events("job-1", 2)] == [3]
+    assert [e.seq for e in await kept_events(queue, "job-1", 2)] == [3]
     assert await queue.events("job-1", 3) == []
 
 
@@ -247,7 +266,7 @@ async def test_a_job_lives_keep_seconds_past_its_last_change(queue: Queue, later
     assert await queue.get("job-1") is not None
     await later(0.4)
     assert await queue.get("job-1") is None
-    assert await queue.events("job-1", 0) == []
+    assert await queue.events("job-1", 0) is None  # a reader stops
 
 
 async def test_list_pages_through_jobs_by_state(queue: Queue) -> None:
@@ -338,7 +357,7 @@ async def test_an_expired_job_is_not_listed_and_its_id_is_free(
     assert await queue.take("slow", "w2", VISIBILITY) is None
     again = await queue.submit(job())
     assert again.seq == 1
-    assert [e.seq for e in await queue.events("job-1", 0)] == [1]
+    assert [e.seq for e in await kept_events(queue, "job-1", 0)] == [1]
     taken = await queue.take("slow", "w2", VISIBILITY)
     assert taken is not None and taken.id == "job-1"
 
@@ -457,7 +476,7 @@ async def test_redis_writes_sent_again_answer_as_the_first_time(
         assert running is not None and running.seq == 2
         again = await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1", attempts=1)
         assert again == running
-        assert [e.seq for e in await queue.events("job-1", 0)] == [1, 2]
+        assert [e.seq for e in await kept_events(queue, "job-1", 0)] == [1, 2]
         monkeypatch.setattr(redis_store, "_token", lambda: "other")
         assert await queue.move("job-1", QUEUED, JobState.RUNNING, worker="w1") is None
         with pytest.raises(ValueError, match="job-1"):

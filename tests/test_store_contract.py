@@ -65,6 +65,20 @@ async def test_a_retried_claim_by_the_same_owner_is_still_claimed(store: Store) 
     assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
 
 
+async def test_a_claim_by_the_same_owner_never_overwrites_its_outcome(store: Store) -> None:
+    """A job's owner is the same on every claim (``job.<id>``): claimed again after it
+    recorded its answer (or its failure), it finds that outcome, which stays."""
+    for state, payload in ((State.COMPLETED, b"answer"), (State.FAILED, b"unknown")):
+        key = RecordKey(KEY.slot, state.value)
+        assert (await store.claim(key, "fp", "a", LOCK, RESULT)).claimed
+        assert await store.complete(key, "a", "fp", state, payload, RESULT)
+        again = await store.claim(key, "fp", "a", LOCK, RESULT)
+        assert not again.claimed and again.record is not None
+        assert (again.record.state, again.record.payload) == (state, payload)
+        kept = await store.get(key)
+        assert kept is not None and (kept.state, kept.payload) == (state, payload)
+
+
 async def test_concurrent_claims_have_exactly_one_winner(store: Store) -> None:
     claims = await asyncio.gather(
         *(store.claim(KEY, "fp", f"owner-{i}", LOCK, RESULT) for i in range(50))
@@ -122,6 +136,34 @@ async def test_an_outcome_that_must_not_replace_one_is_written_only_where_none_i
     assert await store.complete(gone, "a", "fp", *unknown, replace_outcome=False)
     written = await store.get(gone)
     assert written is not None and written.payload == b"unknown"
+
+
+async def test_a_successor_fences_the_owner_it_took_the_record_from(
+    store: Store, later: Later
+) -> None:
+    """A job's taker records "unknown" as its own (``successor``): the first attempt's
+    late answer no longer replaces it, nor may that attempt renew or release it. Over a
+    lapsed lease (FAILED, empty payload: no outcome) it is written too."""
+    unknown = (State.FAILED, b"unknown", RESULT)
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    assert await store.complete(KEY, "a", "fp", *unknown, replace_outcome=False, successor="t")
+    assert not await store.complete(KEY, "a", "fp", State.COMPLETED, b"late", RESULT)
+    assert not await store.renew(KEY, "a", LOCK, RESULT)
+    assert not await store.release(KEY, "a")
+    kept = await store.get(KEY)
+    assert kept is not None and (kept.state, kept.owner, kept.payload) == (
+        State.FAILED,
+        "t",
+        b"unknown",
+    )
+    lapsed = RecordKey(KEY.slot, "lapsed")
+    await store.claim(lapsed, "fp", "a", 0.2, RESULT)
+    await later(0.35)
+    assert not (await store.claim(lapsed, "fp", "b", LOCK, RESULT)).claimed  # FAILED, empty
+    assert await store.complete(lapsed, "a", "fp", *unknown, replace_outcome=False, successor="t")
+    assert not await store.complete(lapsed, "a", "fp", State.COMPLETED, b"late", RESULT)
+    fenced = await store.get(lapsed)
+    assert fenced is not None and (fenced.owner, fenced.payload) == ("t", b"unknown")
 
 
 async def test_only_the_owner_may_renew_complete_or_release(store: Store) -> None:

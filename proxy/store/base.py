@@ -120,10 +120,11 @@ class Store(Protocol):
     ) -> Claim:
         """Create an IN_PROGRESS record owned by ``owner`` unless one exists (then return it).
 
-        If the existing record is already owned by ``owner`` (a retried claim whose first
-        answer was lost), it counts as claimed. An IN_PROGRESS record of another owner
-        whose lease has lapsed becomes FAILED (empty payload) and is returned, unless
-        ``reexecute_lapsed``: then ``owner`` claims it.
+        If the existing record is already owned by ``owner`` and IN_PROGRESS (a retried
+        claim whose first answer was lost), it counts as claimed; an outcome ``owner``
+        recorded (COMPLETED or FAILED) is returned, never claimed over. An IN_PROGRESS
+        record of another owner whose lease has lapsed becomes FAILED (empty payload) and
+        is returned, unless ``reexecute_lapsed``: then ``owner`` claims it.
         """
 
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
@@ -140,10 +141,16 @@ class Store(Protocol):
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         """Record the outcome (COMPLETED or FAILED); False if another owner holds the record,
         or, with ``replace_outcome=False``, if the record already holds an outcome (a job's
-        taker concludes "unknown" only where its worker recorded nothing).
+        taker concludes "unknown" only where its worker recorded nothing; a lapsed lease,
+        FAILED with an empty payload, holds none).
+
+        Given ``successor``, the record is written as ``successor``'s: ``owner`` can no
+        longer write it (a job's taker fences the attempt it takes over, so that
+        attempt's late answer never replaces the outcome the taker recorded).
 
         If the record is gone (the lease lapsed, or the store lost it) and nobody took the
         key over, the outcome is written anyway: it is the truth, and keeping it is what

@@ -81,6 +81,9 @@ class MemoryStore:
     ) -> Claim:
         entry = self._live(key)
         now = self._clock()
+        mine = entry is not None and entry.record.owner == owner
+        if mine and entry is not None and entry.record.state is not State.IN_PROGRESS:
+            return Claim(self._view(key, entry))  # its own outcome: never claimed over
         if entry is not None and entry.record.owner != owner:
             lapsed = entry.record.state is State.IN_PROGRESS and entry.lease_until <= now
             if not lapsed:
@@ -122,19 +125,17 @@ class MemoryStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         entry = self._live(key)
         if entry is not None and entry.record.owner != owner:
             return False
-        if (
-            not replace_outcome
-            and entry is not None
-            and entry.record.state is not State.IN_PROGRESS
-        ):
+        if not replace_outcome and entry is not None and not _releasable(entry.record):
             return False
         wall = time.time()
         created = entry.record.created_at if entry is not None else wall
-        record = Record(state, fingerprint, owner, result_ttl, payload, None, created, wall)
+        ow = successor or owner
+        record = Record(state, fingerprint, ow, result_ttl, payload, None, created, wall)
         self._put(key, _Entry(record, self._clock() + result_ttl))
         return True
 
@@ -472,9 +473,9 @@ class MemoryQueue:
     async def get(self, id: str) -> Job | None:
         return self._live(id)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         if self._live(id) is None:
-            return []
+            return None
         return [event for event in self._events.get(id, []) if event.seq > after]
 
     def _held(self, id: str, now: float) -> tuple[str, float] | None:
@@ -537,6 +538,7 @@ class MemoryQueue:
             updated_at=now,
             due=now + due if state is JobState.QUEUED else job.due,
             seq=job.seq + 1,
+            request=b"" if state.spent else job.request,
         )
         if state is not JobState.RUNNING:
             self._holds.pop(id, None)

@@ -49,6 +49,13 @@ class JobState(StrEnum):
     def terminal(self) -> bool:
         return self not in (JobState.QUEUED, JobState.RUNNING)
 
+    @property
+    def spent(self) -> bool:
+        """Ended for good (COMPLETED, FAILED, CANCELLED): the job's request is never sent
+        again, so ``move`` drops it (the caller's credentials with it). A DEAD job keeps
+        it: an operator may requeue it."""
+        return self.terminal and self is not JobState.DEAD
+
 
 @dataclass(frozen=True, slots=True)
 class Job:
@@ -95,9 +102,9 @@ class Queue(Protocol):
     async def get(self, id: str) -> Job | None:
         """The job, or None (never submitted, or expired)."""
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         """The job's snapshots with ``seq`` above ``after``, oldest first (``request``
-        empty); [] for an unknown job."""
+        empty); None for an unknown job (never submitted, or expired): a reader stops."""
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
         """Hold the next job of ``route`` for ``worker`` for ``visibility`` seconds: a due
@@ -124,7 +131,8 @@ class Queue(Protocol):
         it), set ``state`` and the fields given, add one to ``seq``, keep the snapshot as
         an event and return the job; else None. Moved to QUEUED, the job is queued again,
         due ``due`` seconds from now, and held by nobody; to a terminal state, it leaves
-        the queue; to RUNNING, it stays held."""
+        the queue (and to a ``spent`` one, its ``request`` is dropped); to RUNNING, it
+        stays held."""
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
         """About ``count`` jobs (in ``state``, if given) from ``cursor`` ("" to start), the

@@ -87,7 +87,7 @@ _CLAIM = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut')
-if r[1] and r[3] ~= ARGV[3] then
+if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
   if r[1] ~= 'in_progress' then
     return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7]}
   end
@@ -159,14 +159,16 @@ return 1
 """
 )
 
-# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member.
+# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member,
+# replace_outcome (0/1), the owner from now on.
 _COMPLETE = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'ow', 'ct', 'st')
 if r[1] and r[1] ~= ARGV[1] then return 0 end
-if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1],
+if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' and
+  (r[3] ~= 'failed' or redis.call('HSTRLEN', KEYS[1], 'pl') > 0) then return 0 end
+redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[8],
   'ct', r[2] or now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[6])
@@ -411,11 +413,13 @@ class RedisStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         record, _, index, member = _names(key)
         keys = [record, index]
         replace = "1" if replace_outcome else "0"
-        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace)
+        fenced = successor or owner
+        args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace, fenced)
         return bool(await self._script(_COMPLETE, keys, *args))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
@@ -1042,6 +1046,10 @@ if not r[1] or not string.find(ARGV[1], ',' .. r[1] .. ',', 1, true) then return
 if ARGV[3] ~= '' and (r[2] ~= ARGV[3] or tonumber(r[3]) <= now) then return false end
 local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1, 'tk', ARGV[5]}
 for i = 6, #ARGV do table.insert(set, ARGV[i]) end
+if state == 'completed' or state == 'failed' or state == 'cancelled' then
+  table.insert(set, 'rq') -- spent: the request (credentials and all) is dropped
+  table.insert(set, '')
+end
 if state ~= 'running' then
   unqueue(r[5], r[6], r[4])
   local entry, due = '', now + tonumber(ARGV[4])
@@ -1163,11 +1171,11 @@ class RedisQueue:
         reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS)
         return None if reply[0] is None else _job(reply)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         keys = [queue_key("job", id), queue_key("ev", id)]
         reply = await self._store._script(_JOB_EVENTS, keys, after)
         if reply is None:
-            return []
+            return None
         try:
             id_, route, principal, slot, name, label, keep, created = reply[0]
             fixed = (id_, route, principal, slot, name, label, b"", keep)

@@ -158,6 +158,7 @@ class SQLiteStore:
         result_ttl: float,
         *,
         replace_outcome: bool = True,
+        successor: str | None = None,
     ) -> bool:
         return await self._run(
             self._transaction,
@@ -169,6 +170,7 @@ class SQLiteStore:
             payload,
             result_ttl,
             replace_outcome,
+            successor or owner,
         )
 
     async def release(self, key: RecordKey, owner: str) -> bool:
@@ -277,6 +279,8 @@ def _claim(
     reexecute_lapsed: bool,
 ) -> Claim:
     existing = _select(db, now, key)
+    if existing is not None and existing.state is not State.IN_PROGRESS and existing.owner == owner:
+        return Claim(existing)  # its own outcome: never claimed over
     if existing is not None and existing.owner != owner:
         if not _lapsed(db, now, key):
             return Claim(existing)
@@ -349,11 +353,12 @@ def _complete(
     payload: bytes,
     result_ttl: float,
     replace_outcome: bool = True,
+    successor: str = "",
 ) -> bool:
     existing = _select(db, now, key)
     if existing is not None and existing.owner != owner:
         return False
-    if not replace_outcome and existing is not None and existing.state is not State.IN_PROGRESS:
+    if not replace_outcome and existing is not None and _has_outcome(existing):
         return False
     created = existing.created_at if existing is not None else now
     db.execute(
@@ -364,7 +369,7 @@ def _complete(
             key.name,
             state.value,
             fingerprint,
-            owner,
+            successor or owner,
             now + result_ttl,
             created,
             now,
@@ -373,6 +378,11 @@ def _complete(
         ],
     )
     return True
+
+
+def _has_outcome(record: Record) -> bool:
+    """COMPLETED, or FAILED with its reason (not a lapsed lease): an attempt's outcome."""
+    return record.state is not State.IN_PROGRESS and not record.lapsed
 
 
 def _records(db: sqlite3.Connection, now: float, scope: str) -> list[Record]:
@@ -805,7 +815,7 @@ class SQLiteQueue:
     async def get(self, id: str) -> Job | None:
         return await self._read(_get_job, id)
 
-    async def events(self, id: str, after: int) -> list[Job]:
+    async def events(self, id: str, after: int) -> list[Job] | None:
         return await self._read(_job_events, id, after)
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
@@ -901,10 +911,10 @@ def _get_job(db: sqlite3.Connection, now: float, id: str) -> Job | None:
     return None if row is None else _job(row)
 
 
-def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list[Job]:
+def _job_events(db: sqlite3.Connection, now: float, id: str, after: int) -> list[Job] | None:
     job = _get_job(db, now, id)
     if job is None:
-        return []
+        return None
     rows = db.execute(
         "SELECT seq, state, attempts, sent, error, updated_at, due FROM job_events"
         " WHERE id = ? AND seq > ? ORDER BY seq",
@@ -977,7 +987,8 @@ def _move_job(
         "UPDATE jobs SET state = ?, attempts = coalesce(?, attempts), sent = coalesce(?, sent),"
         " error = coalesce(?, error), updated_at = ?, expires_at = ? + keep, seq = seq + 1,"
         " due = coalesce(?, due), holder = CASE WHEN ? THEN holder ELSE '' END,"
-        " held_until = CASE WHEN ? THEN held_until ELSE 0 END"
+        " held_until = CASE WHEN ? THEN held_until ELSE 0 END,"
+        " request = CASE WHEN ? THEN x'' ELSE request END"
         f" WHERE {where} RETURNING {_JOB_COLUMNS}",
         (
             state.value,
@@ -989,6 +1000,7 @@ def _move_job(
             now + due if state is JobState.QUEUED else None,
             held,
             held,
+            state.spent,
             *fence,
         ),
     ).fetchone()
