@@ -79,6 +79,10 @@ DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 502, 503, 504)
 # The JWT claim holding an operator's roles (admin.role must be one of them).
 DEFAULT_ROLES_CLAIM = "roles"
 
+# The longest a tool's own 429/503 reset pauses calls (routes[].pause_max): a wrong or
+# hostile Retry-After cannot stop a caller, or a route, for longer.
+DEFAULT_PAUSE_MAX = 60.0
+
 # A concurrency slot's lease (routes[].limits[].slot_ttl): renewed every third of it while
 # the call runs; the slots of a replica that dies are free again at most this long after.
 DEFAULT_SLOT_TTL = 10.0
@@ -300,6 +304,16 @@ class StoreDown(StrEnum):
     """Refuse (503 store-unavailable): no limit is ever exceeded."""
     OPEN = "open"
     """Forward without limits (logged and counted): the tool stays reachable."""
+
+
+class PauseScope(StrEnum):
+    """Whom a tool's own 429/503 with a reset pauses (``routes[].pause_scope``)."""
+
+    CALLER = "caller"
+    """The calls of the caller that got it: the same principal and the same values of the
+    route's limit keys (a quota one caller exhausts at the tool stops only that caller)."""
+    ROUTE = "route"
+    """Every call of the route, on every replica (a quota the tool keeps for all callers)."""
 
 
 class CostConfig(_Strict):
@@ -678,6 +692,8 @@ class RouteConfig(_Strict):
     """Present (even empty): the route follows the tool's own limits (429/503 pauses)."""
     limit_wait: Wait = 0.0
     limits_on_store_down: StoreDown = StoreDown.CLOSED
+    pause_scope: PauseScope = PauseScope.CALLER
+    pause_max: Duration = DEFAULT_PAUSE_MAX
     lock: LockConfig | None = None
     versioning: VersioningConfig | None = None
 

@@ -20,7 +20,8 @@ Keys::
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
     tp:{lim:<group>}:s:<key>  sorted set: slot owners, scored by their lease's end (ms)
-    tp:{lim:<group>}:pause    string: until when (ms) the group (a route) is paused
+    tp:{lim:<group>}:pause[:<scope>]  string: until when (ms) the group (a route) is
+                              paused, for all its callers or for one (expiring then)
     tp:{lock:<key>}[:fence]   string: a resource lock's owner; its fencing counter
     tp:{ver:<key>}            string: a resource's version
     tp:{ops}:...              the job queue (``RedisQueue``: its keys are listed there)
@@ -692,9 +693,15 @@ class RedisBuckets:
         self._store = store
 
     async def take(
-        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+        self,
+        group: str,
+        rates: Sequence[Rate],
+        slots: Sequence[Slots],
+        owner: str,
+        slot_ttl: float,
+        scope: str = "",
     ) -> Admission:
-        keys = [limit_key(group, "pause")]
+        keys = [limit_key(group, "pause", scope)]
         keys += [limit_key(group, "r", rate.key) for rate in rates]
         keys += [limit_key(group, "s", slot.key) for slot in slots]
         args: list[Any] = [len(rates), len(slots), owner, _fms(slot_ttl)]
@@ -731,8 +738,8 @@ class RedisBuckets:
         keys = [limit_key(group, "s", key) for key in slots]
         return bool(await self._store._script(_RENEW_SLOTS, keys, owner, _fms(ttl)))
 
-    async def pause(self, group: str, seconds: float) -> None:
-        await self._store._script(_PAUSE, [limit_key(group, "pause")], _fms(seconds))
+    async def pause(self, group: str, seconds: float, scope: str = "") -> None:
+        await self._store._script(_PAUSE, [limit_key(group, "pause", scope)], _fms(seconds))
 
 
 # KEYS: lock, fencing counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken (or
