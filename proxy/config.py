@@ -70,6 +70,9 @@ DEFAULT_LEEWAY = 30.0
 DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
 # Downstream tokens are renewed at this fraction of their lifetime.
 DEFAULT_REFRESH_AHEAD = 0.8
+# Downstream tokens kept in each process at most (auth.token_cache_entries): one per route,
+# user and grant in use; the least recently used is evicted first.
+DEFAULT_TOKEN_CACHE_ENTRIES = 10_000
 # How long fetched signing keys are trusted before they are fetched again.
 DEFAULT_JWKS_TTL = 300.0
 # How long a presigned URL of an offloaded body (offload.presign) stays valid.
@@ -888,6 +891,7 @@ class AuthConfig(_Strict):
     principal: tuple[str, ...] = DEFAULT_PRINCIPAL_CLAIMS
     jwks_ttl: Duration = DEFAULT_JWKS_TTL
     token_cache_key_env: str | None = None
+    token_cache_entries: int = Field(default=DEFAULT_TOKEN_CACHE_ENTRIES, ge=1)
 
 
 class TokenMode(StrEnum):
