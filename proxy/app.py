@@ -345,7 +345,7 @@ class Proxy:
         chain = self.chains.get(route.name)
         if chain is None:
             return forward, None
-        context = Context(route, request, body, principal)  # around the send (after a claim)
+        context = Context(route, request, body, principal, identity)  # around the send
         return chain.wrap(context, forward), context
 
     def forwarder(
@@ -504,7 +504,7 @@ class McpExchange:
         chain = proxy.chains.get(route.name) if policies else None
         if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
-        self.context = Context(route, request, body, self.principal, call=call)
+        self.context = Context(route, request, body, self.principal, self.identity, call=call)
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
