@@ -25,7 +25,15 @@ from proxy.auth.callers import Authenticator, bearer_token
 from proxy.auth.sealing import Sealer, load_key
 from proxy.auth.tokens import DownstreamTokens
 from proxy.background import TaskSet
-from proxy.config import RESERVED_PREFIX, Config, RouteConfig, RouteProtocol, TokenMode, load_config
+from proxy.config import (
+    DEFAULT_TOKEN_CACHE_ENTRIES,
+    RESERVED_PREFIX,
+    Config,
+    RouteConfig,
+    RouteProtocol,
+    TokenMode,
+    load_config,
+)
 from proxy.errors import (
     BadRequest,
     CallerLeft,
@@ -141,10 +149,12 @@ def _downstream_tokens(config: Config, store: Store) -> DownstreamTokens | None:
     """The token cache, when some route forwards a token of its own."""
     if not any(r.token and r.token.mode is not TokenMode.PASSTHROUGH for r in config.routes):
         return None
-    sealer = None
-    if config.auth is not None and config.auth.token_cache_key_env:
-        sealer = Sealer(load_key(config.auth.token_cache_key_env))
-    return DownstreamTokens(list(config.routes), store=store, sealer=sealer)
+    sealer, entries = None, DEFAULT_TOKEN_CACHE_ENTRIES
+    if config.auth is not None:
+        entries = config.auth.token_cache_entries
+        if config.auth.token_cache_key_env:
+            sealer = Sealer(load_key(config.auth.token_cache_key_env))
+    return DownstreamTokens(list(config.routes), store=store, sealer=sealer, max_entries=entries)
 
 
 class Proxy:
@@ -332,7 +342,7 @@ class Proxy:
         chain = self.chains.get(route.name)
         if chain is None:
             return forward, None
-        context = Context(route, request, body, principal)  # around the send (after a claim)
+        context = Context(route, request, body, principal, identity)  # around the send
         return chain.wrap(context, forward), context
 
     def forwarder(
@@ -397,7 +407,7 @@ class Proxy:
         upstream = await self.send(request, route, body, authorization=token, fence=fence)
         if upstream.status != 401:
             return upstream
-        self.tokens.drop(route.name, identity, token)
+        self.tokens.drop(route.name, identity, subject, token)
         if not route.token.retry_on_401:
             return upstream  # the tool's answer, recorded like any other
         await upstream.read()
@@ -421,7 +431,10 @@ class Proxy:
         if caller is None:
             return "", ""
         if caller.expired and not (
-            self.tokens is not None and await self.tokens.can_refresh(route.name, caller.identity)
+            self.tokens is not None
+            and await self.tokens.can_refresh(
+                route.name, caller.identity, bearer_token(request.header(b"authorization"))
+            )
         ):
             raise Unauthorized("the token has expired")
         return caller.principal, caller.identity
@@ -517,7 +530,7 @@ class McpExchange:
         chain = proxy.chains.get(route.name) if policies else None
         if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
-        self.context = Context(route, request, body, self.principal, call=call)
+        self.context = Context(route, request, body, self.principal, self.identity, call=call)
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:

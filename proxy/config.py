@@ -70,6 +70,9 @@ DEFAULT_LEEWAY = 30.0
 DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
 # Downstream tokens are renewed at this fraction of their lifetime.
 DEFAULT_REFRESH_AHEAD = 0.8
+# Downstream tokens kept in each process at most (auth.token_cache_entries): one per route,
+# user and grant in use; the least recently used is evicted first.
+DEFAULT_TOKEN_CACHE_ENTRIES = 10_000
 # How long fetched signing keys are trusted before they are fetched again.
 DEFAULT_JWKS_TTL = 300.0
 # How long a presigned URL of an offloaded body (offload.presign) stays valid.
@@ -80,6 +83,10 @@ DEFAULT_PRESIGN_TTL = 300.0
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 503)
 # The JWT claim holding an operator's roles (admin.role must be one of them).
 DEFAULT_ROLES_CLAIM = "roles"
+
+# The longest a tool's own 429/503 reset pauses calls (routes[].pause_max): a wrong or
+# hostile Retry-After cannot stop a caller, or a route, for longer.
+DEFAULT_PAUSE_MAX = 60.0
 
 # A concurrency slot's lease (routes[].limits[].slot_ttl): renewed every third of it while
 # the call runs; the slots of a replica that dies are free again at most this long after.
@@ -302,6 +309,16 @@ class StoreDown(StrEnum):
     """Refuse (503 store-unavailable): no limit is ever exceeded."""
     OPEN = "open"
     """Forward without limits (logged and counted): the tool stays reachable."""
+
+
+class PauseScope(StrEnum):
+    """Whom a tool's own 429/503 with a reset pauses (``routes[].pause_scope``)."""
+
+    CALLER = "caller"
+    """The calls of the caller that got it: the same principal and the same values of the
+    route's limit keys (a quota one caller exhausts at the tool stops only that caller)."""
+    ROUTE = "route"
+    """Every call of the route, on every replica (a quota the tool keeps for all callers)."""
 
 
 class CostConfig(_Strict):
@@ -686,6 +703,8 @@ class RouteConfig(_Strict):
     """Present (even empty): the route follows the tool's own limits (429/503 pauses)."""
     limit_wait: Wait = 0.0
     limits_on_store_down: StoreDown = StoreDown.CLOSED
+    pause_scope: PauseScope = PauseScope.CALLER
+    pause_max: Duration = DEFAULT_PAUSE_MAX
     lock: LockConfig | None = None
     versioning: VersioningConfig | None = None
 
@@ -880,6 +899,7 @@ class AuthConfig(_Strict):
     principal: tuple[str, ...] = DEFAULT_PRINCIPAL_CLAIMS
     jwks_ttl: Duration = DEFAULT_JWKS_TTL
     token_cache_key_env: str | None = None
+    token_cache_entries: int = Field(default=DEFAULT_TOKEN_CACHE_ENTRIES, ge=1)
 
 
 class TokenMode(StrEnum):

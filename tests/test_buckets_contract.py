@@ -145,6 +145,18 @@ async def test_a_pause_refuses_every_take_of_its_group_until_it_ends(
     assert got.allowed and got.rates[0].remaining == 2
 
 
+async def test_a_pause_of_one_scope_stops_only_that_scope(buckets: Buckets, later: Later) -> None:
+    await buckets.pause(GROUP, 0.3, "alice")
+    refused = await buckets.take(GROUP, [RATE], [SLOTS], "a", 5, "alice")
+    assert not refused.allowed and 0.2 < refused.paused <= 0.301
+    assert (await buckets.take(GROUP, [RATE], [], "b", 5, "bob")).allowed
+    assert (await buckets.take(GROUP, [RATE], [], "c", 5)).allowed  # the whole group: no pause
+    await later(0.35)
+    await buckets.pause(GROUP, 0.3, "bob")  # and alice's lapsed pause is dropped
+    assert (await buckets.take(GROUP, [RATE], [], "a", 5, "alice")).allowed
+    assert not (await buckets.take(GROUP, [RATE], [], "b", 5, "bob")).allowed
+
+
 async def take_other_group(buckets: Buckets) -> bool:
     return (await buckets.take("route-b", [RATE], [], "a", 5)).allowed
 

@@ -561,6 +561,34 @@ def test_scope_principal_never_serves_another_callers_answer(
     assert tool.total == 4
 
 
+def test_a_private_answer_is_one_users_when_the_principal_is_a_tenant(
+    make_proxy: ProxyFactory, tool: CountingTool, idp: IdentityProvider, store_url: str
+) -> None:
+    """``principal: [tid]``: alice and bob share a cache, but not their private answers,
+    not even as identical misses collapsed onto one call."""
+    spec = cached(tool.url, scope="principal")
+    spec["auth"] = {"required": True}
+    proxy = make_proxy(spec, store=store_url, auth={**auth_config(idp), "principal": ["tid"]})
+
+    def as_(who: str, query: str = "?cache_control=private") -> httpx.Response:
+        token = idp.token(who, tid="t1")
+        return ask(proxy.url, query, headers={"authorization": f"Bearer {token}"})
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        alices = pool.submit(as_, "alice", "?cache_control=private&delay=0.3")
+        wait_for(lambda: tool.arrived["/tools/infer"] == 1, what="alice's call at the tool")
+        bobs = as_("bob", "?cache_control=private&delay=0.3")  # waits for alice's, then its own
+        assert cache_status(alices.result()) == STORED
+    assert cache_status(bobs).endswith("stored") and bobs.json()["execution"] == 2
+    for who, execution in (("alice", 1), ("bob", 2), ("alice", 1)):
+        again = as_(who, "?cache_control=private&delay=0.3")
+        assert cache_status(again) == HIT and again.json()["execution"] == execution, who
+    assert cache_status(as_("carol", "?cache_control=private&delay=0.3")) == STORED
+    assert cache_status(as_("alice", "")) == STORED  # what is not private the tenant shares
+    assert cache_status(as_("bob", "")) == HIT
+    assert tool.total == 4
+
+
 def test_a_private_answer_is_not_shared_by_the_anonymous_callers(
     make_proxy: ProxyFactory, tool: CountingTool, idp: IdentityProvider
 ) -> None:

@@ -22,7 +22,16 @@ from proxy.config import parse_config
 from proxy.errors import ConfigError
 from proxy.policies.limits import pause_seconds
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, ProxyProcess, RedisServer, free_port, wait_for
+from tests.idp import IdentityProvider
+from tests.servers import (
+    CountingTool,
+    ProxyProcess,
+    RedisServer,
+    ThreadServer,
+    free_port,
+    wait_for,
+)
+from tests.test_auth import auth_config
 
 BODY = {"prompt": "hi", "max_tokens": 60}
 RPM = {"name": "rpm", "key": "route", "rate": "60/1m", "burst": 5}
@@ -194,6 +203,70 @@ def test_a_tool_429_pauses_the_route_and_nothing_reaches_the_tool_meanwhile(
     assert 'tool_proxy_limit_decisions_total{decision="paused",limit="",route="tool"} 1.0' in (
         metrics
     )
+
+
+def as_user(base: str, token: str, query: str = "") -> httpx.Response:
+    sent = {"content-type": "application/json", "authorization": f"Bearer {token}"}
+    return httpx.post(f"{base}/tools/llm{query}", content=json.dumps(BODY), headers=sent)
+
+
+def paused_by_tool(answer: httpx.Response, whom: str) -> str:
+    """The Retry-After of the proxy's 429 for a pause the tool asked for."""
+    assert answer.status_code == 429, answer.text
+    assert f"the tool asked to pause {whom}" in answer.json()["detail"]
+    return str(answer.headers["retry-after"])
+
+
+@pytest.fixture(params=["memory", "redis"])
+def replicas(
+    request: pytest.FixtureRequest, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> Any:
+    """Two proxies of one route (``spec``) and ``idp``'s callers: on one Redis, or the one
+    proxy twice on memory (whose limits are per process)."""
+
+    def start(spec: dict[str, Any]) -> list[ThreadServer]:
+        spec["auth"] = {"required": True}
+        if request.param == "memory":
+            return [make_proxy(spec, auth=auth_config(idp))] * 2
+        url = request.getfixturevalue("redis_url")
+        return [make_proxy(spec, store=url, auth=auth_config(idp)) for _ in range(2)]
+
+    return start
+
+
+def test_a_callers_429_pauses_that_caller_on_every_replica_and_no_one_else(
+    replicas: Any, tool: CountingTool, idp: IdentityProvider
+) -> None:
+    per_user = {"name": "rpm", "key": "principal", "rate": "60/1m"}
+    a, b = replicas(limited(tool.url, per_user, guarded=False))
+    alice, bob = idp.token("alice"), idp.token("bob")
+    told = as_user(a.url, alice, "?status=429&retry_after=600")
+    assert told.status_code == 429 and told.headers["retry-after"] == "600"  # the tool's own
+    assert paused_by_tool(as_user(b.url, alice), "this caller on route") == "60"  # pause_max
+    assert as_user(b.url, bob).status_code == 200
+    assert as_user(a.url, bob).status_code == 200
+    assert tool.total == 3
+
+
+def test_pause_scope_route_pauses_every_caller_at_most_pause_max(
+    replicas: Any, tool: CountingTool, idp: IdentityProvider
+) -> None:
+    spec = limited(tool.url, guarded=False, pause_scope="route", pause_max="5s")
+    a, b = replicas(spec)
+    assert as_user(a.url, idp.token("alice"), "?status=503&retry_after=600").status_code == 503
+    assert paused_by_tool(as_user(b.url, idp.token("bob")), "route") in ("4", "5")
+    assert paused_by_tool(as_user(a.url, idp.token("alice")), "route") in ("4", "5")
+    assert tool.total == 1
+
+
+def test_without_auth_or_caller_keys_every_caller_is_one_caller(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(limited(tool.url, RPM, guarded=False))
+    url = proxy.url + "/tools/llm"
+    assert post(url + "?status=429&retry_after=2", agent="a").status_code == 429
+    assert paused_by_tool(post(url, agent="b"), "this caller on route") in ("1", "2")
+    assert tool.total == 1
 
 
 # -- the store down --------------------------------------------------------------------------

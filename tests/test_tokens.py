@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from proxy.auth.tokens import DownstreamTokens
 from proxy.config import parse_config
-from proxy.errors import IdentityProviderUnavailable
+from proxy.errors import ConfigError, IdentityProviderUnavailable
 from tests.conftest import ProxyFactory, new_key, route
 from tests.idp import AUDIENCE, IdentityProvider
 from tests.servers import CountingTool, ProxyProcess, ThreadServer, free_port, wait_for
@@ -119,6 +120,41 @@ def test_users_sharing_a_coarse_principal_get_their_own_tokens(
     assert call(f"{proxy.url}/tools/db", idp.token("alice", tid="t1")).status_code == 200
     assert forwarded_token(tool) == "dt-1-alice"  # hers, from the cache
     assert len(idp.grants) == 2
+
+
+@pytest.mark.parametrize("mode", ["token_exchange", "obo"])
+def test_a_token_from_wider_scopes_is_never_reused_for_a_narrower_one(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider, mode: str
+) -> None:
+    proxy = make_proxy(token_route(tool, idp, mode), auth=auth_section(idp))
+    narrow = idp.token("alice", scope="db.read")
+    assert call(f"{proxy.url}/tools/db", idp.token("alice", scope="db.read db.write")).is_success
+    assert forwarded_token(tool) == "dt-1-alice"
+    assert call(f"{proxy.url}/tools/db", narrow).is_success
+    assert forwarded_token(tool) == "dt-2-alice"  # exchanged from the narrow token
+    assert narrow in (idp.grants[1].get("subject_token"), idp.grants[1].get("assertion"))
+    again = idp.token("alice", scope="db.read db.write", iat=int(time.time()) - 5)
+    assert call(f"{proxy.url}/tools/db", again).is_success  # another token, the same grant
+    assert forwarded_token(tool) == "dt-1-alice"
+    other_client = idp.token("alice", scope="db.read", azp="another-agent")
+    assert call(f"{proxy.url}/tools/db", other_client).is_success
+    assert forwarded_token(tool) == "dt-3-alice"
+    assert len(idp.grants) == 3
+
+
+def test_the_token_cache_keeps_at_most_max_entries_least_recently_used_first(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    auth = {**auth_section(idp), "token_cache_entries": 2}
+    proxy = make_proxy(token_route(tool, idp, "token_exchange"), auth=auth)
+    seen = []
+    for who in ("alice", "bob", "alice", "carol", "alice", "bob"):
+        assert call(f"{proxy.url}/tools/db", idp.token(who)).is_success
+        seen.append(forwarded_token(tool))
+    # carol evicted bob (alice was used since): bob's token is fetched again, alice's kept
+    assert seen == ["dt-1-alice", "dt-2-bob", "dt-1-alice", "dt-3-carol", "dt-1-alice", "dt-4-bob"]
+    with pytest.raises(ConfigError, match="token_cache_entries"):
+        parse_config({"auth": {**auth_section(idp), "token_cache_entries": 0}}, env={})
 
 
 def test_a_refresh_token_held_for_one_user_does_not_let_another_in(
@@ -255,9 +291,9 @@ def test_a_late_drop_of_a_refused_token_keeps_the_newer_one(idp: IdentityProvide
 
     async def run() -> list[str]:
         first = await tokens.token("tool", "p-alice", subject)
-        tokens.drop("tool", "p-alice", first)  # the first 401
+        tokens.drop("tool", "p-alice", subject, first)  # the first 401
         second = await tokens.token("tool", "p-alice", subject)
-        tokens.drop("tool", "p-alice", first)  # the second 401, for the same old token
+        tokens.drop("tool", "p-alice", subject, first)  # the second 401, for the same old token
         third = await tokens.token("tool", "p-alice", subject)
         await tokens.close()
         return [first, second, third]
@@ -426,9 +462,10 @@ def test_refresh_tokens_renew_without_the_callers_token(idp: IdentityProvider) -
 
     async def run() -> tuple[str, str, bool]:
         first = await tokens.token("tool", "p", idp.token("alice"))
-        clock[0] = 90.0  # due for renewal; the caller's token is gone by now
-        second = await tokens.token("tool", "p", None)
-        can = await tokens.can_refresh("tool", "p")
+        clock[0] = 90.0  # due for renewal; the caller's token has expired by now
+        expired = idp.token("alice", exp=1, iat=0)  # a token granting the same
+        second = await tokens.token("tool", "p", expired)
+        can = await tokens.can_refresh("tool", "p", expired)
         await tokens.close()
         return first, second, can
 

@@ -8,7 +8,10 @@ the trusted ones, and its keys by ``kid``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +27,10 @@ from proxy.errors import Unauthorized
 _REQUIRED = ["exp", "iat", "iss", "aud", "sub"]
 # The claims that name one user, whatever ``auth.principal`` says.
 IDENTITY_CLAIMS = ("iss", "sub")
+# The claims of a caller's token that say what it grants (its audience, client, scopes,
+# roles, strength of sign-in, delegation): a downstream token obtained from one is never
+# reused for a token of the same user that differs in any of them.
+GRANT_CLAIMS = ("aud", "azp", "client_id", "appid", "scope", "scp", "roles", "acr", "amr", "act")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +51,19 @@ def principal_of(claims: Mapping[str, Any], names: Sequence[str]) -> str:
     """A short stable digest of the principal claims (never the claims themselves)."""
     values = "\x1f".join(f"{name}={claims.get(name, '')}" for name in names)
     return hashlib.sha256(values.encode()).hexdigest()[:32]
+
+
+def grant_of(token: str | None) -> str:
+    """A digest of what the JWT ``token`` grants (``GRANT_CLAIMS``), read without checking
+    its signature (the Authenticator has checked it); "" for no token or an unreadable one."""
+    if not token:
+        return ""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError, binascii.Error):
+        return ""
+    return principal_of(claims, GRANT_CLAIMS) if isinstance(claims, dict) else ""
 
 
 def bearer_token(authorization: str | None) -> str | None:

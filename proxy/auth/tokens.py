@@ -4,10 +4,15 @@ Modes: ``client_credentials`` (the proxy's own token for the route's audience),
 ``token_exchange`` (RFC 8693, the caller's JWT as subject_token) and ``obo`` (Entra's
 on-behalf-of: jwt-bearer grant with requested_token_use=on_behalf_of).
 
-Tokens are cached per (route, caller identity), the identity being a digest of the
+Tokens are cached per (route, caller identity, grant): the identity a digest of the
 caller's issuer and subject, never the principal that scopes records (which may be as
-coarse as a tenant); ``client_credentials`` tokens, which belong to no user, are cached
-per route. They are renewed at ``refresh_ahead`` of their
+coarse as a tenant), the grant a digest of what the caller's token grants (its audience,
+client, scopes, roles: ``callers.GRANT_CLAIMS``), so a token exchanged from a wide
+subject token is never reused for a narrower one of the same user, while the same user's
+next token with the same grant (or the expired one a refresh token renews) finds it;
+``client_credentials`` tokens, which belong to no user, are cached per route. The cache
+keeps at most ``max_entries`` tokens, the least recently used evicted first. They are
+renewed at ``refresh_ahead`` of their
 lifetime (and never inside the last ``MIN_VALIDITY_SECONDS``), and fetched once for any
 number of concurrent requests: in this process (one task), and across replicas when
 ``auth.token_cache_key_env`` is set (a short lock in the shared store; the token is then
@@ -25,15 +30,24 @@ import dataclasses
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 from starlette.datastructures import Secret
 
+from proxy.auth.callers import grant_of
 from proxy.auth.sealing import Sealer
-from proxy.config import TOKEN_TIMEOUT_SECONDS, RouteConfig, TokenConfig, TokenMode
+from proxy.config import (
+    DEFAULT_TOKEN_CACHE_ENTRIES,
+    TOKEN_TIMEOUT_SECONDS,
+    RouteConfig,
+    TokenConfig,
+    TokenMode,
+)
 from proxy.errors import (
     ConfigError,
     IdentityProviderUnavailable,
@@ -53,6 +67,9 @@ SHARED_LOCK_SECONDS = 10.0
 SHARED_POLL_SECONDS = 0.05
 # How long a refresh token is kept when the IdP does not say (refresh_expires_in).
 DEFAULT_REFRESH_LIFETIME = 8 * 3600.0
+
+Key = tuple[str, str, str]
+"""Where a token is cached: (route, caller identity, grant of the caller's token)."""
 
 
 @dataclass(slots=True)
@@ -96,9 +113,34 @@ def load_secrets(routes: list[RouteConfig]) -> dict[str, tuple[TokenConfig, Secr
     return policies
 
 
-def _shared_name(key: tuple[str, str]) -> str:
-    """The name under which the replicas share the token of (route, identity)."""
+def _shared_name(key: Key) -> str:
+    """The name under which the replicas share the token of (route, identity, grant)."""
     return "token|" + "|".join(key)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Bounded(OrderedDict[K, V]):
+    """A dict of at most ``limit`` entries: the least recently set or got goes first."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def recent(self, key: K) -> V | None:
+        """The value of ``key`` (None if absent), now the most recently used."""
+        found = self.get(key)
+        if found is not None:
+            self.move_to_end(key)
+        return found
+
+    def put(self, key: K, value: V) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 class DownstreamTokens:
@@ -110,17 +152,18 @@ class DownstreamTokens:
         clock: Callable[[], float] = time.time,
         store: Store | None = None,
         sealer: Sealer | None = None,
+        max_entries: int = DEFAULT_TOKEN_CACHE_ENTRIES,
     ) -> None:
         self._clock = clock
         self._shared = store if sealer is not None else None
         self._sealer = sealer
         self._policies = load_secrets(routes)
         self._http = httpx.AsyncClient(follow_redirects=False, timeout=TOKEN_TIMEOUT_SECONDS)
-        self._cache: dict[tuple[str, str], _Cached] = {}
-        self._pending: dict[tuple[str, str], asyncio.Task[_Cached]] = {}
+        self._cache: _Bounded[Key, _Cached] = _Bounded(max_entries)
+        self._pending: dict[Key, asyncio.Task[_Cached]] = {}
         # The last token an upstream refused, per shared name: a copy the replicas still
-        # share is not taken again (one entry per route and identity, like the cache).
-        self._refused: dict[str, str] = {}
+        # share is not taken again (one entry per cached token at most, like the cache).
+        self._refused: _Bounded[str, str] = _Bounded(max_entries)
 
     def applies(self, route: str) -> bool:
         """True if ``route`` forwards a token of its own."""
@@ -129,18 +172,20 @@ class DownstreamTokens:
     async def close(self) -> None:
         await self._http.aclose()
 
-    def _key(self, route: str, identity: str) -> tuple[str, str]:
-        """Where the token of ``route`` for ``identity`` is cached (one per route for
-        client credentials: the proxy's own token)."""
+    def _key(self, route: str, identity: str, subject: str | None) -> Key:
+        """Where the token of ``route`` for ``identity`` and what its token ``subject``
+        grants is cached (one per route for client credentials: the proxy's own token)."""
         policy, _ = self._policies[route]
-        return (route, "" if policy.mode is TokenMode.CLIENT_CREDENTIALS else identity)
+        if policy.mode is TokenMode.CLIENT_CREDENTIALS:
+            return (route, "", "")
+        return (route, identity, grant_of(subject))
 
     async def token(self, route: str, identity: str, subject: str | None) -> str:
-        """The downstream token for ``route`` and the caller ``identity`` (``Caller.identity``,
-        issuer and subject; "" for an anonymous caller)."""
-        key = self._key(route, identity)
+        """The downstream token for ``route``, the caller ``identity`` (``Caller.identity``,
+        issuer and subject; "" for an anonymous caller) and its token ``subject``."""
+        key = self._key(route, identity, subject)
         now = self._clock()
-        cached = self._cache.get(key)
+        cached = self._cache.recent(key)
         if cached is not None and now < cached.refresh_at:
             return cached.token
         fetch = self._pending.get(key)
@@ -157,44 +202,46 @@ class DownstreamTokens:
             if cached is not None and now < cached.expires_at - MIN_VALIDITY_SECONDS:
                 return cached.token  # the IdP is down, but the current token still works
             raise
-        self._cache[key] = fresh
+        self._cache.put(key, fresh)
         return fresh.token
 
-    def _settled(self, key: tuple[str, str], task: asyncio.Task[_Cached]) -> None:
+    def _settled(self, key: Key, task: asyncio.Task[_Cached]) -> None:
         self._pending.pop(key, None)
         if not task.cancelled():
             task.exception()  # seen by every waiter; retrieved here if none is left
 
-    def drop(self, route: str, identity: str, refused: str) -> None:
+    def drop(self, route: str, identity: str, subject: str | None, refused: str) -> None:
         """Forget ``refused``, a token the upstream refused (a 401 although it looked
         fresh); a newer one, fetched meanwhile by another request, is kept."""
-        key = self._key(route, identity)
+        key = self._key(route, identity, subject)
         cached = self._cache.get(key)
         if cached is not None and cached.token == refused:
             del self._cache[key]
         if self._shared is not None:
-            self._refused[_shared_name(key)] = refused
+            self._refused.put(_shared_name(key), refused)
 
     def refreshes(self, route: str) -> bool:
         """True if ``route`` opted in to refresh tokens (callers may outlive their token)."""
         found = self._policies.get(route)
         return found is not None and found[0].use_refresh_tokens
 
-    async def can_refresh(self, route: str, identity: str) -> bool:
-        """True if a refresh token can renew the downstream token of caller ``identity``."""
-        key = self._key(route, identity)
+    async def can_refresh(self, route: str, identity: str, subject: str | None) -> bool:
+        """True if a refresh token can renew the downstream token of caller ``identity``
+        obtained from a token granting what ``subject`` grants."""
+        key = self._key(route, identity, subject)
         cached = self._cache.get(key)
         if cached is None and self._shared is not None:
             cached = await self._read_shared(_shared_name(key), fresh_only=False)
         if cached is None:
             return False
         if cached.refresh_token is not None and self._clock() < cached.refresh_expires_at:
-            self._cache.setdefault(key, cached)
+            if key not in self._cache:
+                self._cache.put(key, cached)
             return True
         return False
 
     async def _obtain(
-        self, route: str, key: tuple[str, str], subject: str | None, renewal: str | None = None
+        self, route: str, key: Key, subject: str | None, renewal: str | None = None
     ) -> _Cached:
         """A fresh token: from the other replicas through the store, or fetched (by one)."""
         if self._shared is None:

@@ -45,6 +45,9 @@ class Context:
     request: Incoming
     body: bytes
     principal: str = ""
+    identity: str = ""
+    """The caller's issuer and subject (a digest, ``auth.callers.Caller.identity``): one
+    user, where the principal may be a tenant; "" for an anonymous caller."""
     headers: RawHeaders = field(default_factory=list)
     """Added to the caller's answer by ``Chain.decorate`` (never recorded or replayed)."""
     cached: bool = False

@@ -9,7 +9,8 @@ comes first, and a hit is recorded as the outcome of its own key)::
     Cache-Control: no-store on the request ──▶ forward; nothing read, nothing stored
     no-cache or max-age=0 on the request ──▶ forward (no read, no wait); stored if it can be
     the key: method, path, query, media type, the body's RFC 8785 digest, the principal
-      └─▶ the entry (``max-age=N`` on the request: too old for it)
+      └─▶ the entry (``max-age=N`` on the request: too old for it); a mark "private":
+          the same under the key of the caller's identity (issuer and subject)
             ├─ fresh, same Vary (digests) ──▶ hit: its answer, Age, Cache-Status: tool-proxy; hit
             ├─ a mark "the last call was not cacheable" ──▶ forward (no waiting)
             └─ none ──▶ take the key's fill lock in the store (one call across replicas)
@@ -70,6 +71,10 @@ MAX_POLL_SECONDS = 0.05
 HEADER = b"cache-status"
 HIT = b"tool-proxy; hit"
 _MARK = b"uncacheable"
+# Under a principal's key that several identities share (``auth.principal: [tid]``): the
+# answer was private, each caller's is under its own key (``private_key``).
+_PRIVATE = b"private"
+_PRIVATE_PREFIX = "cache-private|"
 _VERSION = b"c2"  # c1 kept the Vary'd values themselves: read as malformed, a miss
 # Never kept with a cached answer: it gets its own Age.
 _NOT_KEPT = frozenset({b"age"})
@@ -418,6 +423,9 @@ class Cache:
                 value, filling = await self._read(key, owner)
             except StoreUnavailable as exc:
                 return await self._store_down(context, forward, exc)
+            if value == _PRIVATE and context.identity and not is_private(key):
+                key = private_key(key, context.identity)  # this caller's own, looked up
+                continue
             if filling:
                 return await self._fill(context, key, forward, owner)
             if value is not None:
@@ -457,7 +465,7 @@ class Cache:
         waited: bool,
     ) -> UpstreamResponse:
         """The stored answer; or, for a mark or an entry this request cannot take, a call."""
-        if value == _MARK:
+        if value in (_MARK, _PRIVATE):  # _PRIVATE: an anonymous caller has no entry of its own
             return await self._forward(context, key, forward, b"miss")
         found = await self._hit(context, key, value, max_age, waited)
         if isinstance(found, UpstreamResponse):
@@ -602,14 +610,25 @@ class Cache:
             context.headers.append((HEADER, status(fwd)))
         headers = context.request.scope["headers"]
         vary = [(name, vary_digest(headers, name)) for name in _vary(upstream.headers)]
+        entry = self._entry(context, key, upstream)
         return Filling(
             upstream,
             self.max_bytes,
             self._spool,
-            lambda body: self._kept(key, owner, context, fwd, upstream, vary, ttl, body),
+            lambda body: self._kept(key, entry, owner, context, fwd, upstream, vary, ttl, body),
             self.tasks,
             hold=context.call is None,
         )
+
+    @staticmethod
+    def _entry(context: Context, key: str, upstream: UpstreamResponse) -> str:
+        """Where a cacheable answer is kept: under ``key``; a private one, under the key of
+        the caller's identity if its principal is not one (several users may share it)."""
+        if context.principal == context.identity or is_private(key):
+            return key
+        if "private" not in directives(_field(upstream.headers, b"cache-control")):
+            return key
+        return private_key(key, context.identity)
 
     def _freshness(self, upstream: UpstreamResponse, principal: str) -> tuple[float, bytes]:
         """How long the answer may be served, and b"" ; or (0, why it is not stored).
@@ -639,6 +658,7 @@ class Cache:
     def _kept(
         self,
         key: str,
+        entry: str,
         owner: str,
         context: Context,
         fwd: bytes,
@@ -657,7 +677,7 @@ class Cache:
             if owner:
                 self._give_up(key, owner)
             return None
-        return self.tasks.spawn(self._put(key, owner, stored, vary, ttl, body))
+        return self.tasks.spawn(self._put(key, owner, stored, vary, ttl, body, entry))
 
     def _told(self, context: Context, fwd: bytes, *, kept: bool) -> None:
         """An MCP call's decision, once its answer is read: its Cache-Status member says
@@ -692,8 +712,10 @@ class Cache:
         vary: RawHeaders,
         ttl: float,
         body: bytes | Spool,
+        entry: str,
     ) -> None:
-        """Store the answer (``stored``, with ``body``: in object storage when large),
+        """Store the answer (``stored``, with ``body``: in object storage when large) as
+        ``entry`` (``key``, or the caller's own key with a mark "private" under ``key``),
         then free the lock."""
         try:
             size = body.size if isinstance(body, Spool) else len(body)
@@ -701,7 +723,9 @@ class Cache:
                 stored = stored.offloaded(await self.offload.put(self.route, body, keep_for=ttl))
             else:
                 stored = stored.with_body(body.whole() if isinstance(body, Spool) else body)
-            await self.store.put_value(key, encode_entry(self.clock(), vary, stored), ttl)
+            await self.store.put_value(entry, encode_entry(self.clock(), vary, stored), ttl)
+            if entry != key:  # the callers of key look under their own key from now on
+                await self.store.put_value(key, _PRIVATE, ttl)
         except (StoreUnavailable, OffloadUnavailable, OSError) as exc:
             error = str(getattr(exc, "detail", exc))
             self.metrics.cache_decision(self.route, "not_kept")
@@ -742,6 +766,16 @@ class Cache:
             await self.store.unlock(key, owner)
         except StoreUnavailable as exc:  # it lapses after fill_ttl
             self.log.warning("cache_unlock_failed", route=self.route, error=exc.detail)
+
+
+def private_key(key: str, identity: str) -> str:
+    """The key of the private answers to ``identity`` (a caller's issuer and subject) of
+    the shared ``key`` (a principal's, which may be a tenant's)."""
+    return f"{_PRIVATE_PREFIX}{key}|{identity}"
+
+
+def is_private(key: str) -> bool:
+    return key.startswith(_PRIVATE_PREFIX)
 
 
 def fill_seconds(route: RouteConfig) -> float:

@@ -3,9 +3,11 @@ tokens, and pauses when the tool itself says "slow down".
 
 Per call, around the send (after a successful claim on a guarded route)::
 
-    take (one store round trip: the route's pause, every rate, every slot)
+    take (one store round trip: the caller's pause, every rate, every slot)
       ├─ refused ──▶ wait in line (limit_wait, FIFO per bucket in this process) or 429
-      └─ allowed ──▶ forward ──▶ the tool's answer ──▶ 429/503 with a reset: pause the route
+      └─ allowed ──▶ forward ──▶ the tool's answer ──▶ 429/503 with a reset: pause the
+                        │                         │   caller (or the route: pause_scope),
+                        │                         │   at most pause_max
                         │                         └─▶ body read: true up the token cost,
                         │                             free the slots (one round trip)
                         └─ nothing sent: give the reservation back, free the slots
@@ -33,7 +35,7 @@ from typing import Any
 import jsonpointer
 
 from proxy.background import TaskSet
-from proxy.config import LimitConfig, RouteConfig, StoreDown
+from proxy.config import LimitConfig, PauseScope, RouteConfig, StoreDown
 from proxy.errors import (
     NOT_SENT,
     LimitsUnavailable,
@@ -46,11 +48,8 @@ from proxy.numbers import whole
 from proxy.policies import Context, Forward
 from proxy.store.buckets import Admission, Buckets, Rate, Slots
 
-# Statuses of the tool whose reset headers pause the route for every replica.
+# Statuses of the tool whose reset headers pause the caller (or the route) on every replica.
 PAUSE_STATUSES = frozenset({429, 503})
-# The longest pause a tool's headers can cause (a wrong Retry-After cannot stop a route
-# for a day).
-MAX_PAUSE_SECONDS = 600.0
 # How often a caller waiting (limit_wait) for a full slot asks again.
 SLOT_POLL_SECONDS = 0.05
 # Retry-After of a 429 refused by a full slot: when one frees is not known.
@@ -105,12 +104,14 @@ class _Line:
 class _Call:
     """What one admitted call holds: its reservation and its slots."""
 
-    __slots__ = ("admission", "owner", "rates", "renewal", "slots")
+    __slots__ = ("admission", "owner", "rates", "renewal", "scope", "slots")
 
-    def __init__(self, rates: list[Rate], slots: list[Slots], owner: str) -> None:
+    def __init__(self, rates: list[Rate], slots: list[Slots], owner: str, scope: str) -> None:
         self.rates = rates
         self.slots = slots
         self.owner = owner
+        self.scope = scope
+        """The pause this call is stopped by, and sets when the tool asks for one."""
         self.renewal: asyncio.Task[None] | None = None
         self.admission: Admission | None = None
 
@@ -133,6 +134,8 @@ class Limits:
         self.fail_open = route.limits_on_store_down is StoreDown.OPEN
         self.slot_ttl = min((s.config.slot_ttl for s in self.slots), default=0.0)
         self.call_seconds = route.timeout
+        self.per_caller = route.pause_scope is PauseScope.CALLER
+        self.pause_max = route.pause_max
         self.policy_header = ", ".join(limit.policy for limit in [*self.rates, *self.slots])
         self._trues_up = any(r.config.cost and r.config.cost.response for r in self.rates)
         self._lines: dict[tuple[str, ...], _Line] = {}
@@ -187,7 +190,16 @@ class Limits:
                     headers={"RateLimit-Policy": self.policy_header},
                 )
         slots = [Slots(self._key(s, context), s.config.max_in_flight or 0) for s in self.slots]
-        return _Call(rates, slots, f"{self._prefix}.{next(self._owners)}")
+        owner = f"{self._prefix}.{next(self._owners)}"
+        return _Call(rates, slots, owner, self._scope(context, rates, slots))
+
+    def _scope(self, context: Context, rates: list[Rate], slots: list[Slots]) -> str:
+        """The pause of this call: the route's (``pause_scope: route``: ""), or its caller's,
+        the principal and the values of the route's limit keys (hashed)."""
+        if not self.per_caller:
+            return ""
+        parts = [context.principal, *(r.key for r in rates), *(s.key for s in slots)]
+        return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:32]
 
     def _key(self, limit: _Limit, context: Context) -> str:
         kind = limit.config.key
@@ -261,7 +273,7 @@ class Limits:
 
     async def _take(self, call: _Call) -> Admission:
         return await self.buckets.take(
-            self.route, call.rates, call.slots, call.owner, self.slot_ttl
+            self.route, call.rates, call.slots, call.owner, self.slot_ttl, call.scope
         )
 
     @staticmethod
@@ -291,8 +303,9 @@ class Limits:
     def _refusal(self, admission: Admission) -> RateLimited:
         if admission.paused > 0:
             seconds = max(math.ceil(admission.paused), 1)
+            whom = "this caller on route" if self.per_caller else "route"
             return RateLimited(
-                f"the tool asked to pause route {self.route}: retry after {seconds} s",
+                f"the tool asked to pause {whom} {self.route}: retry after {seconds} s",
                 headers={"Retry-After": str(seconds), **self._headers(admission, as_dict=True)},
             )
         seconds = max(math.ceil(admission.retry_after), 1) if admission.retry_after else 0
@@ -331,7 +344,7 @@ class Limits:
             self._finish(call, [])
             raise
         if upstream.status in PAUSE_STATUSES:
-            await self._pause(upstream)
+            await self._pause(upstream, call.scope)
         if not call.slots and not self._trues_up:
             return upstream
         return Settled(upstream, lambda body, whole: self._settle(call, body))
@@ -382,20 +395,21 @@ class Limits:
             except StoreUnavailable as exc:
                 self.log.warning("limit_slot_renewal_failed", route=self.route, error=exc.detail)
 
-    async def _pause(self, upstream: UpstreamResponse) -> None:
+    async def _pause(self, upstream: UpstreamResponse, scope: str) -> None:
         seconds = pause_seconds(upstream.headers, time.time())
         if seconds is None:
             return
-        seconds = min(seconds, MAX_PAUSE_SECONDS)
+        seconds = min(seconds, self.pause_max)
         self.log.warning(
             "route_paused_by_tool",
             route=self.route,
             status=upstream.status,
             seconds=round(seconds, 3),
+            scope="caller" if scope else "route",
         )
         self.metrics.limit_decision(self.route, "", "pause_set")
         try:
-            await self.buckets.pause(self.route, seconds)
+            await self.buckets.pause(self.route, seconds, scope)
         except StoreUnavailable as exc:
             self.log.warning("route_pause_failed", route=self.route, error=exc.detail)
 

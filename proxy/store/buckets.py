@@ -5,9 +5,10 @@ class of its own (``MemoryBuckets``, ``SQLiteBuckets``, ``RedisBuckets``), over 
 connection as its records, and one contract test suite (tests/test_buckets_contract.py)
 runs against all three.
 
-Everything lives in a *group* (a route): a group's rates, slots and pause are read and
+Everything lives in a *group* (a route): a group's rates, slots and pauses are read and
 written together, atomically, by ``take`` (on Redis one script, all keys under the
-group's hash tag).
+group's hash tag). A pause has a *scope* within its group: "" for the whole group, else
+the one caller it stops (``policies.limits`` makes it from the caller's keys).
 
 Rates are GCRA (the generic cell rate algorithm): one stored time per bucket, the
 *theoretical arrival time* ``tat``. A unit costs ``interval`` seconds (the period
@@ -87,10 +88,11 @@ class Buckets(Protocol):
         slots: Sequence[Slots],
         owner: str,
         slot_ttl: float,
+        scope: str = "",
     ) -> Admission:
-        """Unless the group is paused, take ``cost`` from every rate and a slot (leased to
-        ``owner`` for ``slot_ttl``) from every ``Slots``: all of them, or none. An owner
-        that holds a slot already keeps it (a retried take)."""
+        """Unless the group's pause of ``scope`` holds, take ``cost`` from every rate and a
+        slot (leased to ``owner`` for ``slot_ttl``) from every ``Slots``: all of them, or
+        none. An owner that holds a slot already keeps it (a retried take)."""
 
     async def finish(
         self,
@@ -105,8 +107,9 @@ class Buckets(Protocol):
     async def renew(self, group: str, slots: Sequence[str], owner: str, ttl: float) -> bool:
         """Extend ``owner``'s slots by ``ttl``; False if one had lapsed (it is not retaken)."""
 
-    async def pause(self, group: str, seconds: float) -> None:
-        """Refuse every take of the group for ``seconds`` (a longer pause already set wins)."""
+    async def pause(self, group: str, seconds: float, scope: str = "") -> None:
+        """Refuse every take of the group under ``scope`` for ``seconds`` (a longer pause
+        already set wins); lapsed pauses are dropped, not kept."""
 
 
 def gcra(tat: float, now: float, rate: Rate) -> tuple[float, float, RateState]:

@@ -263,13 +263,19 @@ class MemoryBuckets:
         self._clock = clock
         self._tats: dict[tuple[str, str], float] = {}
         self._slots: dict[tuple[str, str], dict[str, float]] = {}
-        self._pauses: dict[str, float] = {}
+        self._pauses: dict[tuple[str, str], float] = {}
 
     async def take(
-        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+        self,
+        group: str,
+        rates: Sequence[Rate],
+        slots: Sequence[Slots],
+        owner: str,
+        slot_ttl: float,
+        scope: str = "",
     ) -> Admission:
         now = self._clock()
-        paused = self._pauses.get(group, 0.0) - now
+        paused = self._pauses.get((group, scope), 0.0) - now
         if paused > 0:
             return Admission(False, paused, 0.0)
         wait = 0.0
@@ -320,9 +326,12 @@ class MemoryBuckets:
                 kept = False
         return kept
 
-    async def pause(self, group: str, seconds: float) -> None:
-        until = self._clock() + seconds
-        self._pauses[group] = max(self._pauses.get(group, 0.0), until)
+    async def pause(self, group: str, seconds: float, scope: str = "") -> None:
+        now = self._clock()
+        for lapsed in [k for k, until in self._pauses.items() if until <= now]:
+            del self._pauses[lapsed]  # one entry per caller paused now, not per caller ever
+        key = (group, scope)
+        self._pauses[key] = max(self._pauses.get(key, 0.0), now + seconds)
 
 
 class MemoryLocks:

@@ -20,7 +20,8 @@ Keys::
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
     tp:{lim:<group>}:s:<key>  sorted set: slot owners, scored by their lease's end (ms)
-    tp:{lim:<group>}:pause    string: until when (ms) the group (a route) is paused
+    tp:{lim:<group>}:pause[:<scope>]  string: until when (ms) the group (a route) is
+                              paused, for all its callers or for one (expiring then)
     tp:{res:<scope>}:n        string: a scope's (a route's) counter of fencing tokens and
                               versions, never expiring
     tp:{res:<scope>}:l:<key>  hash: a resource lock's owner and token, for its lease
@@ -700,9 +701,15 @@ class RedisBuckets:
         self._store = store
 
     async def take(
-        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+        self,
+        group: str,
+        rates: Sequence[Rate],
+        slots: Sequence[Slots],
+        owner: str,
+        slot_ttl: float,
+        scope: str = "",
     ) -> Admission:
-        keys = [limit_key(group, "pause")]
+        keys = [limit_key(group, "pause", scope)]
         keys += [limit_key(group, "r", rate.key) for rate in rates]
         keys += [limit_key(group, "s", slot.key) for slot in slots]
         args: list[Any] = [len(rates), len(slots), owner, _fms(slot_ttl)]
@@ -739,8 +746,8 @@ class RedisBuckets:
         keys = [limit_key(group, "s", key) for key in slots]
         return bool(await self._store._script(_RENEW_SLOTS, keys, owner, _fms(ttl)))
 
-    async def pause(self, group: str, seconds: float) -> None:
-        await self._store._script(_PAUSE, [limit_key(group, "pause")], _fms(seconds))
+    async def pause(self, group: str, seconds: float, scope: str = "") -> None:
+        await self._store._script(_PAUSE, [limit_key(group, "pause", scope)], _fms(seconds))
 
 
 # KEYS: lock, the scope's counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken

@@ -497,9 +497,15 @@ class SQLiteBuckets:
         return await self._store._run(self._store._transaction, fn, *args)
 
     async def take(
-        self, group: str, rates: Sequence[Rate], slots: Sequence[Slots], owner: str, slot_ttl: float
+        self,
+        group: str,
+        rates: Sequence[Rate],
+        slots: Sequence[Slots],
+        owner: str,
+        slot_ttl: float,
+        scope: str = "",
     ) -> Admission:
-        return await self._call(_take, group, rates, slots, owner, slot_ttl)
+        return await self._call(_take, group, rates, slots, owner, slot_ttl, _paused(group, scope))
 
     async def finish(
         self, group: str, changes: Sequence[tuple[Rate, float]], slots: Sequence[str], owner: str
@@ -509,8 +515,14 @@ class SQLiteBuckets:
     async def renew(self, group: str, slots: Sequence[str], owner: str, ttl: float) -> bool:
         return await self._call(_renew_slots, group, slots, owner, ttl)
 
-    async def pause(self, group: str, seconds: float) -> None:
-        await self._call(_pause, group, seconds)
+    async def pause(self, group: str, seconds: float, scope: str = "") -> None:
+        await self._call(_pause, _paused(group, scope), seconds)
+
+
+def _paused(group: str, scope: str) -> str:
+    """The ``limit_pauses`` row of a group's pause of ``scope`` (the group's own name for
+    the whole group, as before scopes)."""
+    return f"{group}\x1f{scope}" if scope else group
 
 
 def _create_buckets(db: sqlite3.Connection, now: float) -> None:
@@ -532,8 +544,9 @@ def _take(
     slots: Sequence[Slots],
     owner: str,
     slot_ttl: float,
+    paused: str,
 ) -> Admission:
-    row = db.execute("SELECT until FROM limit_pauses WHERE grp = ?", (group,)).fetchone()
+    row = db.execute("SELECT until FROM limit_pauses WHERE grp = ?", (paused,)).fetchone()
     if row is not None and row[0] > now:
         return Admission(False, row[0] - now, 0.0)
     wait = 0.0
@@ -605,11 +618,12 @@ def _renew_slots(
     return kept
 
 
-def _pause(db: sqlite3.Connection, now: float, group: str, seconds: float) -> None:
+def _pause(db: sqlite3.Connection, now: float, paused: str, seconds: float) -> None:
+    db.execute("DELETE FROM limit_pauses WHERE until <= ?", (now,))  # lapsed: not kept
     db.execute(
         "INSERT INTO limit_pauses (grp, until) VALUES (?, ?)"
         " ON CONFLICT (grp) DO UPDATE SET until = max(until, excluded.until)",
-        (group, now + seconds),
+        (paused, now + seconds),
     )
 
 
