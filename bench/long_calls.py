@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -42,6 +44,8 @@ from processes import free_port, spawn, wait_up
 CALLERS = 32
 BODY = json.dumps({"task": "review", "pr": 12}).encode()
 ARGS_HASH = hashlib.sha256(rfc8785.dumps(json.loads(BODY))).hexdigest()
+# The sealing key of the stored requests' credentials (the proxy's own process).
+SEALING_ENV = "TOOL_PROXY_BENCH_SEALING_KEY"
 ASYNC = {"Prefer": "respond-async", "Content-Type": "application/json"}
 
 
@@ -84,7 +88,9 @@ def serve_proxy(port: int, upstream: str, store: str) -> None:
     plain = {"name": "plain", "path_prefix": "/plain", "upstream": upstream, "strip_prefix": True}
     routes = [long_calls("long"), long_calls("fast"), plain]
     state = tempfile.mkdtemp()
-    config = parse_config({"store": {"url": store}, "routes": routes, "state_dir": state})
+    os.environ.setdefault(SEALING_ENV, base64.b64encode(os.urandom(32)).decode())
+    stored = {"url": store, "sealing_key_env": SEALING_ENV}
+    config = parse_config({"store": stored, "routes": routes, "state_dir": state})
     uvicorn.run(create_app(config), host="127.0.0.1", port=port, log_level="warning")
 
 

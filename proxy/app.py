@@ -157,6 +157,12 @@ def _downstream_tokens(config: Config, store: Store) -> DownstreamTokens | None:
     return DownstreamTokens(list(config.routes), store=store, sealer=sealer, max_entries=entries)
 
 
+def _request_sealer(config: Config) -> Sealer | None:
+    """What seals the credentials of async jobs' stored requests, if a key is set."""
+    sealing = config.sealing_key_env()
+    return None if sealing is None else Sealer(load_key(*sealing))
+
+
 class Proxy:
     """The catch-all endpoint: match a route, then pass through or guard."""
 
@@ -208,6 +214,7 @@ class Proxy:
         if any(r.runs_jobs() for r in config.routes):
             self.queue = queue = make_queue(store)
             self.hub = Hub(queue, self.log)
+            sealer = _request_sealer(config)
             self.jobs = {
                 r.name: RouteJobs(
                     r,
@@ -219,6 +226,7 @@ class Proxy:
                     self.offload,
                     tasks,
                     self.log,
+                    sealer,
                 )
                 for r in config.routes
                 if r.runs_jobs()

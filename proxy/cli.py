@@ -47,6 +47,8 @@ def _load(path: str | None) -> Config:
     load_secrets(list(config.routes))  # missing client secrets are configuration errors too
     if config.auth is not None and config.auth.token_cache_key_env:
         load_key(config.auth.token_cache_key_env)
+    if (sealing := config.sealing_key_env()) is not None:
+        load_key(*sealing)
     if config.admin is not None:
         from proxy.admin import load_admin_token
 

@@ -184,6 +184,9 @@ class StoreConfig(_Strict):
     """Where idempotency records live."""
 
     url: str = DEFAULT_STORE_URL
+    sealing_key_env: str | None = None
+    """The environment variable holding the key that seals the credentials of async
+    jobs' stored requests (else ``auth.token_cache_key_env``'s key does)."""
 
     @field_validator("url")
     @classmethod
@@ -645,6 +648,15 @@ DEFAULT_ASYNC_MAX_QUEUED = 3600.0
 DEFAULT_WORKERS = 4
 
 
+class CredentialsAtRest(StrEnum):
+    """How an async job's stored request keeps the caller's credentials."""
+
+    SEAL = "seal"
+    """AES-256-GCM with the store's sealing key (``store.sealing_key_env``)."""
+    CLEAR = "clear"
+    """As they came: anyone who can read the store can read them (opt-in)."""
+
+
 class AsyncConfig(_Strict):
     """Long calls: answered 202 with an operation to follow, run durably by workers."""
 
@@ -659,6 +671,10 @@ class AsyncConfig(_Strict):
     takes the job over (and never sends one that may have been sent)."""
     max_queued: Duration = DEFAULT_ASYNC_MAX_QUEUED
     """The longest a job waits in the queue (for a worker, or between attempts)."""
+    credentials: CredentialsAtRest = CredentialsAtRest.SEAL
+    """How a stored request keeps the caller's Authorization, Cookie and
+    Proxy-Authorization: sealed (the store's sealing key), or in clear (an explicit
+    opt-in)."""
 
     @model_validator(mode="after")
     def _backoff_cap(self) -> AsyncConfig:
@@ -975,6 +991,29 @@ class Config(_Strict):
     """Where the journal of outcomes not yet recorded is kept (see ``journal_dir``)."""
     routes: tuple[RouteConfig, ...] = Field(min_length=1)
     admin: AdminConfig | None = None
+
+    def sealing_key_env(self) -> tuple[str, str] | None:
+        """The variable of the key that seals stored requests' credentials, and the
+        option that names it (``store.sealing_key_env``, else
+        ``auth.token_cache_key_env``); None if neither is set."""
+        if self.store.sealing_key_env:
+            return self.store.sealing_key_env, "store.sealing_key_env"
+        if self.auth is not None and self.auth.token_cache_key_env:
+            return self.auth.token_cache_key_env, "auth.token_cache_key_env"
+        return None
+
+    @model_validator(mode="after")
+    def _sealed_credentials_need_a_key(self) -> Config:
+        if self.store.url.startswith("memory://") or self.sealing_key_env():
+            return self
+        for route in self.routes:
+            if route.async_ is not None and route.async_.credentials is CredentialsAtRest.SEAL:
+                raise ValueError(
+                    f"routes[{route.name}].async.credentials: seal (the default) needs a "
+                    "sealing key for the stored requests' credentials: set "
+                    "store.sealing_key_env (32 bytes in base64), or say credentials: clear"
+                )
+        return self
 
     @model_validator(mode="after")
     def _admin_role_needs_auth(self) -> Config:

@@ -47,6 +47,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── OutcomeUnknown                      502/504  the request may have run, no answer
     ├── NotExecuted                         502/504  the tool says it did not run: released
     ├── StoredResponseUnavailable           502  an offloaded body is missing or corrupt
+    ├── StoredRequestUnreadable             503  a job's sealed credentials: another key
     ├── OffloadUnavailable                  503  the object store failed (internal)
     ├── StoreUnavailable                    503  the store cannot be reached
     │   ├── StoreRefused                    503  it answered, refusing the write (no retry helps)
@@ -435,6 +436,15 @@ class StoredResponseUnavailable(ProxyError):
     status = 502
     slug = "stored-response-unavailable"
     title = "Stored response unavailable"
+
+
+class StoredRequestUnreadable(ProxyError):
+    """An async job's stored request holds credentials sealed with another key than this
+    replica's: it is not sent (another replica, or this one with the right key, can)."""
+
+    status = 503
+    slug = "stored-request-unreadable"
+    title = "The stored request cannot be read"
 
 
 class OffloadUnavailable(ProxyError):

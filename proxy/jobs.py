@@ -22,6 +22,7 @@ policies and upstream as a live request (``app.Proxy.forwarder``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -37,6 +38,7 @@ from starlette.types import Scope
 
 from proxy import numbers
 from proxy.asgi import Incoming, RawHeaders, Reply
+from proxy.auth.sealing import Sealer
 from proxy.background import TaskSet
 from proxy.config import AsyncConfig, AsyncMode, RouteConfig
 from proxy.errors import (
@@ -47,6 +49,7 @@ from proxy.errors import (
     PreconditionRequired,
     ProxyError,
     ResourceKeyMissing,
+    StoredRequestUnreadable,
     StoreUnavailable,
     Unauthorized,
 )
@@ -129,28 +132,40 @@ class StoredRequest:
     identity: str
     ref: ObjectRef | None = None
     """Where a large body is, in object storage (``body`` is empty then)."""
+    sealed: bytes | None = None
+    """The caller's credentials, sealed, as read from the store (``unsealed`` puts them
+    back among the headers)."""
+
+
+# The caller's credentials: sealed in a stored request (``routes[].async.credentials``).
+CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
 
 
 def _text(raw: bytes) -> str:
     return raw.decode("latin-1")
 
 
-def encode_request(request: StoredRequest) -> bytes:
-    """One line of JSON (the request's head), a newline, the body."""
+def encode_request(request: StoredRequest, sealer: Sealer | None = None, name: str = "") -> bytes:
+    """One line of JSON (the request's head), a newline, the body. With ``sealer`` the
+    caller's credentials (``CREDENTIALS``) are sealed, bound to ``name`` (the job's id)."""
     scope = request.scope
     client = scope.get("client")
+    headers = [[_text(k), _text(v)] for k, v in scope["headers"]]
+    secret = [pair for pair in headers if pair[0] in CREDENTIALS] if sealer else []
     head = {
         "method": scope["method"],
         "path": scope["path"],
         "raw_path": _text(scope.get("raw_path") or scope["path"].encode()),
         "query": _text(scope["query_string"]),
-        "headers": [[_text(k), _text(v)] for k, v in scope["headers"]],
+        "headers": [pair for pair in headers if pair not in secret],
         "client": list(client) if client else None,
         "scheme": scope["scheme"],
         "fingerprint": request.fingerprint,
         "identity": request.identity,
         "ref": None if request.ref is None else dataclasses.asdict(request.ref),
     }
+    if sealer is not None and secret:
+        head["sealed"] = base64.b64encode(sealer.seal(name, {"headers": secret})).decode()
     return json.dumps(head, separators=(",", ":")).encode() + b"\n" + request.body
 
 
@@ -170,7 +185,25 @@ def decode_request(blob: bytes) -> StoredRequest:
         "extensions": {},
     }
     ref = None if head["ref"] is None else ObjectRef(**head["ref"])
-    return StoredRequest(scope, body, head["fingerprint"], head["identity"], ref)
+    sealed = base64.b64decode(head["sealed"]) if "sealed" in head else None
+    return StoredRequest(scope, body, head["fingerprint"], head["identity"], ref, sealed)
+
+
+def unsealed(request: StoredRequest, sealer: Sealer | None, name: str) -> StoredRequest:
+    """``request`` with its sealed credentials back among its headers;
+    ``StoredRequestUnreadable`` if this replica's key cannot open them."""
+    if request.sealed is None:
+        return request
+    document = None if sealer is None else sealer.open(name, request.sealed)
+    if document is None:
+        raise StoredRequestUnreadable(
+            "the stored request's credentials were sealed with another key than this "
+            "replica's sealing key (store.sealing_key_env): nothing was sent"
+        )
+    scope = dict(request.scope)
+    credentials = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in document["headers"]]
+    scope["headers"] = [*scope["headers"], *credentials]
+    return dataclasses.replace(request, scope=scope, sealed=None)
 
 
 def location(job_id: str) -> str:
@@ -261,8 +294,11 @@ class RouteJobs:
         offload: Offload | None,
         tasks: TaskSet,
         log: Any,
+        sealer: Sealer | None = None,
     ) -> None:
         assert route.async_ is not None
+        self.sealer = sealer
+        """Seals the credentials of stored requests (None: kept as they came)."""
         self.route = route
         self.config = route.async_
         self.guard = guard
@@ -369,7 +405,7 @@ class RouteJobs:
             slot=op.key.slot,
             name=op.key.name,
             label=op.label,
-            request=encode_request(stored),
+            request=encode_request(stored, self.sealer, job_id),
             keep=self._keep,
         )
         return await self.queue.submit(job)
@@ -486,8 +522,9 @@ class RouteJobs:
             await self._taken_over_after_sending(job, op, owner, worker)
             return
         try:
+            request = unsealed(request, self.sealer, job.id)
             body = await self._body(request)
-        except ProxyError as exc:  # the stored body cannot be had now: nothing is sent
+        except ProxyError as exc:  # the stored request cannot be had now: nothing is sent
             await self._refused(job, op.key, worker, QUEUED, job.attempts + 1, _problem(exc), None)
             return
         visibility = self.config.visibility

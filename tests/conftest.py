@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,11 @@ from tests.idp import IdentityProvider
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
 ProxyFactory = Callable[..., ThreadServer]
+
+# The sealing key of the tests' stores (store.sealing_key_env): async jobs' stored
+# credentials are sealed with it; replicas started as processes inherit it.
+SEALING_ENV = "TEST_SEALING_KEY"
+os.environ.setdefault(SEALING_ENV, base64.b64encode(b"k" * 32).decode())
 
 
 @pytest.fixture(scope="session")
@@ -105,7 +112,8 @@ def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
         *routes: dict[str, Any], store: str = "memory://", port: int | None = None, **top: Any
     ) -> ThreadServer:
         top.setdefault("state_dir", str(tmp_path / "state"))
-        config = parse_config({"store": {"url": store}, "routes": list(routes), **top}, env={})
+        stored = {"url": store, "sealing_key_env": SEALING_ENV}
+        config = parse_config({"store": stored, "routes": list(routes), **top}, env={})
         server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
         started.append(server)
         return server

@@ -33,6 +33,7 @@ EXAMPLES = sorted((ROOT / "config").glob("*.yaml"))
 EXAMPLE_ENV = {
     "TOOL_PROXY_CLIENT_SECRET": "example-client-secret",
     "TOOL_PROXY_TOKEN_CACHE_KEY": "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+    "TOOL_PROXY_SEALING_KEY": "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
 }
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,22 +25,25 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy.auth.sealing import Sealer
 from proxy.cli import main as cli_main
 from proxy.config import parse_config
-from proxy.errors import ConfigError, OffloadUnavailable, StoreUnavailable
+from proxy.errors import ConfigError, OffloadUnavailable, StoredRequestUnreadable, StoreUnavailable
 from proxy.job_events import Hub
 from proxy.jobs import (
     JOB_OWNER,
     RouteJobs,
     StoredRequest,
     asked,
+    decode_request,
     encode_request,
     preferences,
     requeue,
+    unsealed,
 )
 from proxy.store import Job, JobState, RecordKey, State
 from proxy.store.memory import MemoryQueue, MemoryStore
-from tests.conftest import Clock, ProxyFactory, new_key, route
+from tests.conftest import SEALING_ENV, Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
 from tests.test_auth import auth_config
@@ -127,7 +132,9 @@ def test_modes_and_after() -> None:
     def config(**section: Any) -> Any:
         spec = route("http://tool:1")
         spec["async"] = {"visibility": "1s", **section}
-        async_ = parse_config({"routes": [spec]}, env={}).routes[0].async_
+        async_ = (
+            parse_config({"store": {"url": "memory://"}, "routes": [spec]}, env={}).routes[0].async_
+        )
         assert async_ is not None
         return async_
 
@@ -667,7 +674,8 @@ def test_the_cli_lists_dead_operations_and_requeues_them(
         spec = long_route(server.url, async_={"attempts": 1})
         proxy = make_proxy(spec, store=store)
         config = tmp_path / "proxy.yaml"
-        config.write_text(yaml.safe_dump({"store": {"url": store}, "routes": [spec]}))
+        stored = {"url": store, "sealing_key_env": SEALING_ENV}
+        config.write_text(yaml.safe_dump({"store": stored, "routes": [spec]}))
         key = new_key(BODY)
         location = post(proxy.url, key=key, **ASYNC).headers["location"]
         dead = until(proxy.url, location, "dead", "completed")
@@ -717,7 +725,7 @@ async def test_a_stale_second_requeue_leaves_the_running_jobs_key_alone(
     and the running job's claim stays (releasing it would let a retry run the call again)."""
     spec = route("http://tool:1")
     spec["async"] = {"visibility": "1s"}
-    config = parse_config({"routes": [spec]}, env={}).routes[0]
+    config = parse_config({"store": {"url": "memory://"}, "routes": [spec]}, env={}).routes[0]
     store, queue = _dead_job_store(backend, request)
     try:
         await _requeue_twice(config, store, queue)
@@ -799,3 +807,61 @@ def test_bad_numbers_and_cursors_are_problems_not_errors(
         assert answer.headers["content-type"] == "application/problem+json", name
         assert answer.json()["type"].endswith("invalid-field"), name
     assert preferences("respond-async, wait=\xb2") == (True, None)
+
+
+# -- credentials at rest (issue 20, 2.4) ---------------------------------------------------
+
+
+def test_a_stored_requests_credentials_are_sealed_and_still_reach_the_tool(
+    make_proxy: ProxyFactory, tool: CountingTool, tmp_path: Path
+) -> None:
+    """The job's request waits in the store (SQLite here) with the caller's Authorization
+    and Cookie sealed: the store's bytes never hold them, the tool gets them."""
+    database = tmp_path / "state.db"
+    proxy = make_proxy(long_route(tool.url), store=f"sqlite://{database}")
+    secret = {"authorization": "Bearer alice-secret-token", "cookie": "session=alice-cookie"}
+    accepted = post(proxy.url, query="?delay=1", **secret, **ASYNC)
+    assert accepted.status_code == 202, accepted.text
+    wait_for(lambda: tool.in_flight == 1, what="the job at the tool")
+    with sqlite3.connect(database) as db:
+        (stored,) = db.execute("SELECT request FROM jobs").fetchone()
+    assert b'"sealed"' in stored
+    assert b"alice-secret-token" not in stored and b"alice-cookie" not in stored
+    until(proxy.url, accepted.headers["location"], "completed")
+    (sent,) = tool.requests
+    assert sent["headers"]["authorization"] == "Bearer alice-secret-token"
+    assert sent["headers"]["cookie"] == "session=alice-cookie"
+
+
+def test_sealed_credentials_are_not_sent_by_a_replica_with_another_key() -> None:
+    """A request sealed with one key: a replica with another cannot open it, and the job
+    is refused as not sent (another replica with the right key runs it)."""
+    scope = {
+        "method": "POST",
+        "path": "/tools/run",
+        "raw_path": b"/tools/run",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"authorization", b"Bearer t")],
+        "client": ("127.0.0.1", 1),
+        "scheme": "http",
+    }
+    blob = encode_request(StoredRequest(scope, b"{}", "f" * 64, ""), Sealer(b"a" * 32), "job-1")
+    assert b"Bearer t" not in blob
+    stored = decode_request(blob)
+    assert stored.scope["headers"] == [(b"content-type", b"application/json")]
+    opened = unsealed(stored, Sealer(b"a" * 32), "job-1")
+    assert (b"authorization", b"Bearer t") in opened.scope["headers"]
+    with pytest.raises(StoredRequestUnreadable):
+        unsealed(stored, Sealer(b"b" * 32), "job-1")
+    with pytest.raises(StoredRequestUnreadable):  # bound to its job: not another's
+        unsealed(stored, Sealer(b"a" * 32), "job-2")
+
+
+@pytest.mark.parametrize("store", ["sqlite:///tmp/x.db", "redis://127.0.0.1:6379/0"])
+def test_a_persistent_store_needs_a_sealing_key_or_an_explicit_clear(store: str) -> None:
+    spec = long_route("http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"async\.credentials.*store\.sealing_key_env"):
+        parse_config({"store": {"url": store}, "routes": [spec]}, env={})
+    spec["async"]["credentials"] = "clear"
+    parse_config({"store": {"url": store}, "routes": [spec]}, env={})
+    parse_config({"store": {"url": "memory://"}, "routes": [long_route("http://x:9")]}, env={})

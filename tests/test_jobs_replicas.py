@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tests.conftest import new_key, route
+from tests.conftest import SEALING_ENV, new_key, route
 from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, running, wait_for
 from tests.test_jobs import ASYNC, BODY, FlakyTool, post, sse, until
 
@@ -32,7 +32,7 @@ def config(redis: RedisServer, upstream: str, **extra: Any) -> dict[str, Any]:
     spec = route(upstream)  # lock_ttl 5s
     spec["async"] = {"backoff": "50ms", "backoff_max": "100ms", "visibility": "1s"}
     spec.update(extra)
-    return {"store": {"url": redis.url}, "routes": [spec]}
+    return {"store": {"url": redis.url, "sealing_key_env": SEALING_ENV}, "routes": [spec]}
 
 
 @pytest.fixture

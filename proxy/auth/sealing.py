@@ -1,7 +1,9 @@
-"""Encryption at rest for downstream tokens shared through the store (AES-256-GCM).
+"""Encryption at rest for the secrets the store keeps (AES-256-GCM): downstream tokens
+shared by replicas, and the credentials in async jobs' stored requests.
 
 The key is 32 bytes, base64 (url-safe or standard), in the environment variable that
-``auth.token_cache_key_env`` names; every replica must have the same one.
+``store.sealing_key_env`` (or ``auth.token_cache_key_env``) names; every replica must
+have the same one.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from proxy.errors import ConfigError
 NONCE_BYTES = 12
 
 
-def load_key(env_name: str) -> bytes:
-    """The sealing key, or ``ConfigError`` naming the field."""
-    field = f"auth.token_cache_key_env: environment variable {env_name}"
+def load_key(env_name: str, option: str = "auth.token_cache_key_env") -> bytes:
+    """The sealing key, or ``ConfigError`` naming the field (``option``)."""
+    field = f"{option}: environment variable {env_name}"
     raw = os.environ.get(env_name, "")
     try:
         key = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
