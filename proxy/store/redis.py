@@ -55,8 +55,8 @@ SOCKET_CONNECT_TIMEOUT = 1.0
 SOCKET_TIMEOUT = 2.0
 # Connections per process beside the coalescer's own (readiness pings).
 MAX_CONNECTIONS = 16
-# Retries of a round trip on a connection error: safe, because every script is
-# idempotent for the same owner token.
+# Retries of a round trip on a connection error, with what is safe to send again
+# (``Coalescer``, ``RESENDABLE``).
 RETRIES = 2
 
 Command = tuple[Any, ...]
@@ -256,6 +256,13 @@ class Coalescer:
     and bounded by one timer each: redis-py's pipeline costs several times more per
     command (a task per write when socket_timeout is set, a timer per reply, Python
     packing), and this is the hot path of every guarded request.
+
+    A round trip that breaks or times out is tried again on a new connection, but only
+    with what is safe to send twice: every command if none had been written yet, else
+    only the commands still without a reply that their caller marked ``resend`` (reads,
+    and writes that find their own token or owner applied and answer as the first time).
+    A command that may have run and is not safe to run again (a rate take, a true-up, a
+    compare-and-set whose answer would change) fails with the connection's error.
     """
 
     def __init__(self, pool: ConnectionPool) -> None:
@@ -263,18 +270,19 @@ class Coalescer:
         self._connection: AbstractConnection = pool.connection_class(**kwargs)
         self._timeout = float(pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT)
         self._busy = False
-        self._pending: list[tuple[Command, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Command, bool, asyncio.Future[Any]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def call(self, *command: Any) -> Any:
-        """Send ``command`` (now, or with the next batch) and return its reply."""
+    async def call(self, *command: Any, resend: bool = False) -> Any:
+        """Send ``command`` (now, or with the next batch) and return its reply;
+        ``resend``: safe to send again if its reply is lost (see the class)."""
         if self._busy:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._pending.append((command, future))
+            self._pending.append((command, resend, future))
             return await future
         self._busy = True
         try:
-            (reply,) = await self._round_trip([command])
+            (reply,) = await self._round_trip([command], [resend])
         finally:
             self._next()
         if isinstance(reply, Exception):
@@ -290,18 +298,18 @@ class Coalescer:
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
-    async def _flush(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
+    async def _flush(self, batch: list[tuple[Command, bool, asyncio.Future[Any]]]) -> None:
         try:
-            replies = await self._round_trip([command for command, _ in batch])
+            replies = await self._round_trip([c for c, _, _ in batch], [r for _, r, _ in batch])
         except (RedisError, OSError) as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled (shutdown): nobody may wait forever
-            for _, future in batch:
+            for _, _, future in batch:
                 future.cancel()
             raise
         finally:
             self._next()
-        for (_, future), reply in zip(batch, replies, strict=True):
+        for (_, _, future), reply in zip(batch, replies, strict=True):
             if future.done():
                 continue
             if isinstance(reply, Exception):
@@ -309,28 +317,55 @@ class Coalescer:
             else:
                 future.set_result(reply)
 
-    async def _round_trip(self, commands: list[Command]) -> list[Any]:
-        """Send ``commands`` and read their replies (an error reply is returned, not raised).
+    async def _round_trip(self, commands: list[Command], resend: list[bool]) -> list[Any]:
+        """Send ``commands`` and read their replies. An error reply, or the error that
+        kept a command from its reply, is returned in its place, not raised.
 
-        A broken or timed-out connection is dropped and the whole batch sent once more on
-        a new one: safe, because every script is idempotent for the same owner token.
+        A broken or timed-out connection is dropped and what is safe to send again (see
+        the class) sent once more on a new one, up to ``RETRIES`` times.
         """
-        packed = b"".join([hiredis.pack_command(command) for command in commands])
-        connection = self._connection
+        packed = [hiredis.pack_command(command) for command in commands]
+        replies: list[Any] = [None] * len(commands)
+        todo = list(range(len(commands)))
         for attempt in range(RETRIES + 1):
-            try:
-                async with asyncio.timeout(self._timeout + len(packed) / BYTES_PER_SECOND):
-                    if not connection.is_connected:
-                        await connection.connect()  # type: ignore[no-untyped-call]
-                    await connection.send_packed_command(packed, check_health=False)
-                    return [await _reply(connection) for _ in commands]
-            except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
-                await connection.disconnect(nowait=True)
-                if attempt == RETRIES:
-                    if isinstance(exc, RedisError):
-                        raise
-                    raise RedisConnectionError(str(exc) or type(exc).__name__) from exc
-        raise AssertionError("unreachable")
+            read, written, error = await self._attempt([packed[i] for i in todo])
+            for i, reply in zip(todo, read, strict=False):
+                replies[i] = reply
+            if error is None:
+                break
+            left, todo = todo[len(read) :], []
+            for i in left:
+                if attempt < RETRIES and (not written or resend[i]):
+                    todo.append(i)
+                else:
+                    replies[i] = error
+            if not todo:
+                break
+        return replies
+
+    async def _attempt(self, packed: list[bytes]) -> tuple[list[Any], bool, RedisError | None]:
+        """One try: the replies read (in order, maybe not all), whether any byte may have
+        reached Redis, and the error that ended it early (the connection is dropped)."""
+        data = b"".join(packed)
+        connection = self._connection
+        read: list[Any] = []
+        written = False
+        try:
+            async with asyncio.timeout(self._timeout + len(data) / BYTES_PER_SECOND):
+                if not connection.is_connected:
+                    await connection.connect()  # type: ignore[no-untyped-call]
+                written = True
+                await connection.send_packed_command(data, check_health=False)
+                for _ in packed:
+                    read.append(await _reply(connection))
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+            await connection.disconnect(nowait=True)
+            if isinstance(exc, RedisError):
+                return read, written, exc
+            error = RedisConnectionError(str(exc) or type(exc).__name__)
+            error.__cause__ = exc
+            return read, written, error
+        return read, written, None
 
     async def close(self) -> None:
         await self._connection.disconnect()
@@ -361,14 +396,20 @@ class RedisStore:
         self._coalescer = Coalescer(pool)
         self._queue: RedisQueue | None = None
 
-    async def _script(self, source: str, keys: list[str], *args: Any) -> Any:
+    async def _script(
+        self, source: str, keys: list[str], *args: Any, resend: bool | None = None
+    ) -> Any:
+        """Run a script; ``resend`` (by default: whether it is in ``RESENDABLE``) lets the
+        coalescer send it again when its reply is lost."""
         sha = _SHA[source]
+        again = source in RESENDABLE if resend is None else resend
+        command = ("EVALSHA", sha, len(keys), *keys, *args)
         try:
             try:
-                return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
+                return await self._coalescer.call(*command, resend=again)
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
-                await self._coalescer.call("SCRIPT", "LOAD", source)
-                return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
+                await self._coalescer.call("SCRIPT", "LOAD", source, resend=True)
+                return await self._coalescer.call(*command, resend=again)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except RedisError as exc:
@@ -414,7 +455,8 @@ class RedisStore:
         keys = [record, index]
         replace = "1" if replace_outcome else "0"
         args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace)
-        return bool(await self._script(_COMPLETE, keys, *args))
+        # sent again, a complete that must not replace an outcome would find its own
+        return bool(await self._script(_COMPLETE, keys, *args, resend=replace_outcome))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         return bool(await self._script(_RELEASE, [record_key(key)], owner))
@@ -433,7 +475,13 @@ class RedisStore:
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
         """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
         position, names = await self._command(
-            "SCAN", cursor or "0", "MATCH", f"{KEY_PREFIX}{{*}}:r:*", "COUNT", max(count, 1)
+            "SCAN",
+            cursor or "0",
+            "MATCH",
+            f"{KEY_PREFIX}{{*}}:r:*",
+            "COUNT",
+            max(count, 1),
+            resend=True,
         )
         found = []
         for raw in names:
@@ -458,26 +506,28 @@ class RedisStore:
     async def delete(self, key: RecordKey) -> bool:
         return bool(await self._command("DEL", record_key(key)))
 
-    async def _command(self, *command: Any) -> Any:
+    async def _command(self, *command: Any, resend: bool = False) -> Any:
+        """One plain command; ``resend`` as for ``Coalescer.call`` (reads, plain SETs)."""
         try:
-            return await self._coalescer.call(*command)
+            return await self._coalescer.call(*command, resend=resend)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
 
     async def put_value(self, key: str, value: bytes, ttl: float) -> None:
-        await self._command("SET", f"{KEY_PREFIX}v:{{{key}}}", value, "PX", _ms(ttl))
+        await self._command("SET", f"{KEY_PREFIX}v:{{{key}}}", value, "PX", _ms(ttl), resend=True)
 
     async def get_value(self, key: str) -> bytes | None:
-        value = await self._command("GET", f"{KEY_PREFIX}v:{{{key}}}")
+        value = await self._command("GET", f"{KEY_PREFIX}v:{{{key}}}", resend=True)
         return None if value is None else bytes(value)
 
     async def acquire(self, key: str, owner: str, ttl: float) -> bool:
         name = f"{KEY_PREFIX}l:{{{key}}}"
-        if await self._command("SET", name, owner, "NX", "PX", _ms(ttl)):
+        # both safe to send again: a lost SET NX is found by the GET (its owner)
+        if await self._command("SET", name, owner, "NX", "PX", _ms(ttl), resend=True):
             return True
-        return bool(await self._command("GET", name) == owner.encode())
+        return bool(await self._command("GET", name, resend=True) == owner.encode())
 
     async def unlock(self, key: str, owner: str) -> None:
         await self._script(_UNLOCK, [f"{KEY_PREFIX}l:{{{key}}}"], owner)
@@ -1038,6 +1088,22 @@ _SHA.update(
 )
 
 
+# The scripts the coalescer may send again when their reply is lost (``Coalescer``): reads,
+# and writes that, run twice, do and answer as once: the same owner's claim, renewals
+# and releases (no caller reads a release's answer), the queue's writes (each carries a
+# token), a pause (the later end wins). Not the rate take and true-up (units taken twice),
+# a settle or a lock's release (their answer would say "changed meanwhile"), nor a
+# complete that must not replace an outcome (it would find its own); those fail with
+# ``StoreUnavailable``, as when Redis is out of reach.
+RESENDABLE = frozenset(
+    {
+        *(_CLAIM, _GET, _RECORDS, _RENEW, _RELEASE, _UNLOCK),
+        *(_RENEW_SLOTS, _PAUSE, _ACQUIRE_LOCK, _RENEW_LOCK),
+        *(_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS),
+    }
+)
+
+
 def queue_key(kind: str, name: str = "") -> str:
     """A key of the job queue: ``job`` or ``ev`` of a job id, ``q`` or ``due`` of a route,
     or the indexes ``ids``, ``exp``, ``routes``."""
@@ -1081,7 +1147,7 @@ class RedisQueue:
         return _job(reply)
 
     async def get(self, id: str) -> Job | None:
-        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS)
+        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS, resend=True)
         return None if reply[0] is None else _job(reply)
 
     async def events(self, id: str, after: int) -> list[Job]:
