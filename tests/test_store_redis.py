@@ -8,11 +8,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 
 from proxy.errors import StoreUnavailable
-from proxy.store import RecordKey
+from proxy.store import RecordKey, State
 from proxy.store.buckets import Rate
-from proxy.store.redis import RedisStore
+from proxy.store.redis import RedisStore, index_key, legacy_index_key, record_key
 from tests.servers import RedisServer, ReplyDropper
 
 pytestmark = pytest.mark.anyio
@@ -111,3 +112,88 @@ async def test_in_one_lost_round_trip_only_what_is_safe_is_sent_again(
     assert not isinstance(claim, BaseException) and claim.claimed
     assert isinstance(take, StoreUnavailable)
     assert await remaining(direct) == 1
+
+
+# -- the per-scope index ----------------------------------------------------------------------
+
+SCOPE = "route|anon|plan"
+
+
+def step(i: int) -> RecordKey:
+    return RecordKey(f"{SCOPE}|{i}", "h" * 64)
+
+
+def index_size(url: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.zcard(index_key(SCOPE)))
+    finally:
+        client.close()
+
+
+async def test_released_records_leave_the_index(direct: RedisStore, redis_url: str) -> None:
+    await asyncio.gather(*(direct.claim(step(i), "fp", "o", 5, 60) for i in range(10)))
+    assert all(await asyncio.gather(*(direct.release(step(i), "o") for i in range(6))))
+    assert index_size(redis_url) == 4
+    assert [r.key for r in await direct.records(SCOPE)] == [step(i) for i in range(6, 10)]
+
+
+async def test_a_claim_drops_the_members_whose_record_expired(
+    direct: RedisStore, redis_url: str
+) -> None:
+    for i in range(5):
+        await direct.claim(step(i), "fp", "o", 5, 60)
+        await direct.complete(step(i), "o", "fp", State.COMPLETED, b"x", 0.1)
+    await direct.claim(step(5), "fp", "o", 5, 60)
+    await asyncio.sleep(0.15)  # Redis expires by its own clock
+    await direct.claim(step(6), "fp", "o", 5, 60)
+    assert index_size(redis_url) == 2  # 5 and 6, not the 5 that expired
+
+
+async def test_a_renewal_that_extends_a_record_keeps_it_listed(direct: RedisStore) -> None:
+    await direct.claim(step(1), "fp", "o", 5, 0.1)
+    assert await direct.renew(step(1), "o", 5, 60)  # now lives a minute
+    await asyncio.sleep(0.15)
+    await direct.claim(step(2), "fp", "o", 5, 60)  # prunes what expired
+    assert [r.key for r in await direct.records(SCOPE)] == [step(1), step(2)]
+
+
+async def test_a_settle_keeps_the_index_in_step(direct: RedisStore, redis_url: str) -> None:
+    for i in (1, 2):
+        await direct.claim(step(i), "fp", "o", 5, 0.1)
+        await direct.complete(step(i), "o", "fp", State.FAILED, b"unknown", 0.1)
+    assert await direct.settle(step(1), None, b"", 0.0)  # deleted: leaves the index
+    assert await direct.settle(step(2), State.COMPLETED, b"ok", 60)  # now lives a minute
+    assert index_size(redis_url) == 1
+    await asyncio.sleep(0.15)
+    await direct.claim(step(3), "fp", "o", 5, 60)
+    assert [r.key for r in await direct.records(SCOPE)] == [step(2), step(3)]
+
+
+async def test_a_long_index_is_listed_page_by_page(direct: RedisStore, redis_url: str) -> None:
+    await asyncio.gather(*(direct.claim(step(i), "fp", "o", 5, 60) for i in range(300)))
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.delete(record_key(step(0)))  # an operator's delete: found gone, dropped
+        client.config_resetstat()
+        listed = await direct.records(SCOPE)
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    assert sorted(r.key for r in listed) == sorted(step(i) for i in range(1, 300))
+    assert stats["cmdstat_zscan"]["calls"] >= 3  # pages, not one script over the whole set
+    assert "cmdstat_smembers" not in stats
+    assert index_size(redis_url) == 299
+
+
+async def test_a_legacy_set_index_is_still_listed(direct: RedisStore, redis_url: str) -> None:
+    """Records indexed by a version that kept a set (``:idx``) are listed until it expires."""
+    await direct.claim(step(1), "fp", "o", 5, 60)
+    await direct.claim(step(2), "fp", "o", 5, 60)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.zrem(index_key(SCOPE), f"2:{'h' * 64}")
+        client.sadd(legacy_index_key(SCOPE), f"2:{'h' * 64}", f"3:{'h' * 64}")
+    finally:
+        client.close()
+    assert [r.key for r in await direct.records(SCOPE)] == [step(1), step(2)]

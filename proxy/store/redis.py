@@ -16,6 +16,9 @@ Keys::
 
     tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload)
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
+    tp:{<scope>}:steps     sorted set: the scope's records (<step>:<name>), scored by
+                           their expiry (ms); a member leaves as its record is released,
+                           settled away or found gone, or at the next claim after it expired
     tp:v:{<key>}           string: a shared value (an encrypted downstream token)
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
@@ -67,6 +70,9 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 # A round trip's deadline grows with what it sends, at this many bytes a second (a slow
 # link must not time out, and resend, a large outcome for ever).
 BYTES_PER_SECOND = 8 * 1024 * 1024
+# Members of a scope's index read per call when it is listed (a ZSCAN COUNT hint: an
+# index of up to 128 members, kept compact by Redis, comes in one).
+LIST_PAGE = 100
 # Error replies that no retry will turn into success: the write is refused (``StoreRefused``),
 # not the store out of reach. READONLY (a failover under way) is not among them.
 REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
@@ -80,7 +86,9 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 """
 
 # KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
-# result_ms, reexecute_lapsed (0/1), index member.
+# result_ms, reexecute_lapsed (0/1), index member. The index drops the members whose
+# record expired (their score passed) as a new one comes in; its own life is extended
+# twice as far as needed, so most claims skip that write.
 _CLAIM = (
     _NOW
     + """
@@ -96,11 +104,13 @@ if r[1] and r[3] ~= ARGV[3] then
     return {0, 'failed', r[2], r[3], '', redis.call('PTTL', KEYS[1]), r[6], now}
   end
 end
-redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3], 'pl', '',
+if r[1] then redis.call('HDEL', KEYS[1], 'pl') end -- a fresh record has none
+redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
   'lu', now + ARGV[4], 'ct', now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('SADD', KEYS[3], ARGV[7])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2) end
 local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
 return {1, prev or ''}
 """
@@ -126,33 +136,41 @@ return read(KEYS[1], now)
 """
 )
 
-# KEYS: the scope index. ARGV: the record key prefix. Members whose record expired are
-# dropped from the index as they are found.
+# One page of a scope's listing. KEYS: the scope index, then the page's records. ARGV:
+# 1 to drop from the index the members whose record is gone (0: a legacy set index),
+# then the page's members. Returns the records found, each with its member appended.
 _RECORDS = (
     _NOW
     + _READ
     + """
 local out = {}
-for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local found = read(ARGV[1] .. member, now)
+for i = 2, #KEYS do
+  local found = read(KEYS[i], now)
   if found[1] == 1 then
-    table.insert(found, member)
+    table.insert(found, ARGV[i])
     table.insert(out, found)
-  else
-    redis.call('SREM', KEYS[1], member)
+  elseif ARGV[1] == '1' then
+    redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end
 return out
 """
 )
 
+# KEYS: record, scope index. ARGV: owner, lock_ms, result_ms, index member.
 _RENEW = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
 if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lu', now + ARGV[2], 'ut', now)
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('ZADD', KEYS[2], 'GT', now + ARGV[3], ARGV[4])
+  if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
+end
 return 1
 """
 )
@@ -167,30 +185,38 @@ if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' then return 0 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[1],
   'ct', r[2] or now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[6])
+redis.call('ZADD', KEYS[2], now + ARGV[4], ARGV[6])
 if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 return 1
 """
 )
 
+# KEYS: record, scope index. ARGV: owner, index member.
 _RELEASE = """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow', 'pl')
 if r[2] ~= ARGV[1] then return 0 end
 if r[1] == 'in_progress' or (r[1] == 'failed' and r[3] == '') then
+  redis.call('ZREM', KEYS[2], ARGV[2])
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
 
-# KEYS: record. ARGV: new state ('' to delete), payload, result_ms, owner ('' for any).
+# KEYS: record, scope index. ARGV: new state ('' to delete), payload, result_ms, owner
+# ('' for any), index member.
 _SETTLE = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
 if r[1] ~= 'failed' or (ARGV[4] ~= '' and r[2] ~= ARGV[4]) then return 0 end
-if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
+if ARGV[1] == '' then
+  redis.call('ZREM', KEYS[2], ARGV[5])
+  return redis.call('DEL', KEYS[1])
+end
 redis.call('HSET', KEYS[1], 'st', ARGV[1], 'pl', ARGV[2], 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], now + ARGV[3], ARGV[5])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 return 1
 """
 )
@@ -237,11 +263,18 @@ def _names(key: RecordKey) -> tuple[str, str, str, str]:
         scope = step = key.slot
     tag = f"{KEY_PREFIX}{{{scope}}}:"
     member = f"{step}:{key.name}"
-    return f"{tag}r:{member}", f"{tag}last:{step}", f"{tag}idx", member
+    return f"{tag}r:{member}", f"{tag}last:{step}", f"{tag}steps", member
 
 
 def index_key(scope: str) -> str:
-    """The Redis key of a scope's index (a set of members)."""
+    """The Redis key of a scope's index: a sorted set of members, each scored by when its
+    record expires (ms)."""
+    return f"{KEY_PREFIX}{{{scope}}}:steps"
+
+
+def legacy_index_key(scope: str) -> str:
+    """The set that indexed a scope before ``index_key``: still listed (never written)
+    until it expires, ``result_ttl`` after the last claim of a version that wrote it."""
     return f"{KEY_PREFIX}{{{scope}}}:idx"
 
 
@@ -437,8 +470,9 @@ class RedisStore:
         return Claim(_record(keys[0], reply[1:], key))
 
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
-        args = (owner, _ms(lock_ttl), _ms(result_ttl))
-        return bool(await self._script(_RENEW, [record_key(key)], *args))
+        record, _, index, member = _names(key)
+        args = (owner, _ms(lock_ttl), _ms(result_ttl), member)
+        return bool(await self._script(_RENEW, [record, index], *args))
 
     async def complete(
         self,
@@ -459,7 +493,8 @@ class RedisStore:
         return bool(await self._script(_COMPLETE, keys, *args, resend=replace_outcome))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
-        return bool(await self._script(_RELEASE, [record_key(key)], owner))
+        record, _, index, member = _names(key)
+        return bool(await self._script(_RELEASE, [record, index], owner, member))
 
     async def get(self, key: RecordKey) -> Record | None:
         name = record_key(key)
@@ -467,10 +502,30 @@ class RedisStore:
         return _record(name, reply[1:], key) if reply[0] == 1 else None
 
     async def records(self, scope: str) -> list[Record]:
+        """Page by page (``ZSCAN``, then ``SSCAN`` of a legacy index): no call to Redis
+        reads more than about ``LIST_PAGE`` records, however long the scope's index."""
         prefix = record_prefix(scope)
-        replies = await self._script(_RECORDS, [index_key(scope)], prefix)
-        found = [_indexed(scope, prefix, reply) for reply in replies]
-        return sorted(found, key=lambda r: (r.created_at, r.key or ("", "")))
+        found: dict[str, Record] = {}
+        for index, pairs in ((index_key(scope), True), (legacy_index_key(scope), False)):
+            cursor = "0"
+            while True:
+                cursor, members = await self._index_page(index, pairs, cursor)
+                page = [m for m in members if m not in found]
+                if page:
+                    keys = [index, *(prefix + m for m in page)]
+                    for reply in await self._script(_RECORDS, keys, int(pairs), *page):
+                        found[reply[-1].decode()] = _indexed(scope, prefix, reply)
+                if cursor == "0":
+                    break
+        return sorted(found.values(), key=lambda r: (r.created_at, r.key or ("", "")))
+
+    async def _index_page(self, index: str, scored: bool, cursor: str) -> tuple[str, list[str]]:
+        """One ``ZSCAN`` (``scored``) or ``SSCAN`` step: the next cursor, the members."""
+        scan = "ZSCAN" if scored else "SSCAN"
+        position, items = await self._command(scan, index, cursor, "COUNT", LIST_PAGE, resend=True)
+        members = items[::2] if scored else items
+        position = position.decode() if isinstance(position, bytes) else str(position)
+        return position, [m.decode() for m in members]
 
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
         """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
@@ -500,8 +555,9 @@ class RedisStore:
         *,
         owner: str | None = None,
     ) -> bool:
+        record, _, index, member = _names(key)
         args = ("" if state is None else state.value, payload, _ms(result_ttl), owner or "")
-        return bool(await self._script(_SETTLE, [record_key(key)], *args))
+        return bool(await self._script(_SETTLE, [record, index], *args, member))
 
     async def delete(self, key: RecordKey) -> bool:
         return bool(await self._command("DEL", record_key(key)))
