@@ -180,7 +180,7 @@ async def test_a_long_index_is_listed_page_by_page(direct: RedisStore, redis_url
         stats = client.info("commandstats")
     finally:
         client.close()
-    assert sorted(r.key for r in listed) == sorted(step(i) for i in range(1, 300))
+    assert {r.key for r in listed} == {step(i) for i in range(1, 300)} and len(listed) == 299
     assert stats["cmdstat_zscan"]["calls"] >= 3  # pages, not one script over the whole set
     assert "cmdstat_smembers" not in stats
     assert index_size(redis_url) == 299

@@ -110,7 +110,9 @@ redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2) end
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then
+  redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2)
+end
 local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
 return {1, prev or ''}
 """
