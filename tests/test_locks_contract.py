@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from proxy.store import Locks, Store, make_locks
-from tests.conftest import Later
+from tests.conftest import Later, stored_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -102,3 +102,18 @@ async def test_versions_start_at_zero_and_bumps_count(locks: Locks) -> None:
 async def test_concurrent_acquisitions_give_one_owner(locks: Locks) -> None:
     grants = await asyncio.gather(*(locks.acquire(KEY, f"o{n}", TTL) for n in range(10)))
     assert sum(g.token is not None for g in grants) == 1
+
+
+async def test_the_sweep_drops_lapsed_locks_and_keeps_their_counters(
+    opened: Store, locks: Locks, later: Later
+) -> None:
+    """Memory and SQLite keep every lock until swept (Redis expires its keys)."""
+    for i in range(5):
+        assert (await locks.acquire(f"{KEY}{i}", "a", TTL)).token == 1
+    await opened.sweep()  # nothing has lapsed yet: kept
+    assert (await locks.acquire(f"{KEY}0", "b", TTL)).token is None
+    assert stored_entries(opened, "locks") == 5
+    await later(TTL + 0.05)
+    await opened.sweep()
+    assert stored_entries(opened, "locks") == 0
+    assert (await locks.acquire(f"{KEY}0", "b", TTL)).token == 2  # the counter stayed

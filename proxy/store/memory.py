@@ -6,11 +6,15 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 from proxy.store.locks import Grant
 from proxy.store.queue import Job, JobState
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 # The largest payload kept, as for Redis (a process's memory is no place for more).
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
@@ -38,6 +42,8 @@ class MemoryStore:
         self._last_in_slot: dict[str, tuple[str, float]] = {}
         self._values: dict[str, tuple[bytes, float]] = {}
         self._queue: MemoryQueue | None = None
+        self._buckets: MemoryBuckets | None = None
+        self._locks: MemoryLocks | None = None
 
     def _live(self, key: RecordKey) -> _Entry | None:
         entry = self._records.get(key)
@@ -187,8 +193,13 @@ class MemoryStore:
         return True
 
     async def sweep(self) -> int:
-        """Drop every expired record; return how many."""
+        """Drop every expired record, slot pointer and value, and the rate buckets, slot
+        leases, pauses and locks whose time has passed; return how many records."""
         now = self._clock()
+        if self._buckets is not None:
+            self._buckets.sweep()
+        if self._locks is not None:
+            self._locks.sweep()
         expired = [k for k, e in self._records.items() if e.expires_at <= now]
         for key in expired:
             self._forget(key)
@@ -220,12 +231,18 @@ class MemoryStore:
             self._values.pop(f"lock|{key}", None)
 
     def buckets(self) -> MemoryBuckets:
-        """The rate buckets of this process, on the same clock."""
-        return MemoryBuckets(self._clock)
+        """The rate buckets of this process (one per store, swept with it), on the same
+        clock."""
+        if self._buckets is None:
+            self._buckets = MemoryBuckets(self._clock)
+        return self._buckets
 
     def locks(self) -> MemoryLocks:
-        """The resource locks and versions of this process, on the same clock."""
-        return MemoryLocks(self._clock)
+        """The resource locks and versions of this process (one per store, swept with
+        it), on the same clock."""
+        if self._locks is None:
+            self._locks = MemoryLocks(self._clock)
+        return self._locks
 
     def queue(self) -> MemoryQueue:
         """The job queue of this process (one per store), on the wall clock: its times
@@ -253,8 +270,9 @@ def _releasable(record: Record) -> bool:
 class MemoryBuckets:
     """``Buckets`` in this process's memory (one process only): tats, slot leases, pauses.
 
-    Entries whose time has passed are dropped when touched; a bucket at rest is as good
-    as absent.
+    Entries whose time has passed are dropped when touched, and all of them by ``sweep``:
+    a bucket at rest (its tat passed), a lapsed lease or a pause that ended is as good as
+    absent.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -322,6 +340,20 @@ class MemoryBuckets:
         until = self._clock() + seconds
         self._pauses[group] = max(self._pauses.get(group, 0.0), until)
 
+    def sweep(self) -> int:
+        """Drop the buckets at rest, the lapsed slot leases and the ended pauses; return
+        how many entries."""
+        now = self._clock()
+        dropped = _drop(self._tats, lambda tat: tat <= now)
+        for held in self._slots.values():
+            dropped += _drop(held, lambda until: until <= now)
+        _drop(self._slots, lambda held: not held)
+        return dropped + _drop(self._pauses, lambda until: until <= now)
+
+    def __len__(self) -> int:
+        """Entries held: buckets, slot leases and pauses."""
+        return len(self._tats) + sum(map(len, self._slots.values())) + len(self._pauses)
+
 
 class MemoryLocks:
     """``Locks`` in this process's memory (one process only): leases, fencing counters,
@@ -371,6 +403,23 @@ class MemoryLocks:
     async def bump(self, key: str) -> int:
         self._versions[key] = self._versions.get(key, 0) + 1
         return self._versions[key]
+
+    def sweep(self) -> int:
+        """Drop the lapsed locks (not their fencing counters); return how many."""
+        now = self._clock()
+        return _drop(self._held, lambda held: held[1] <= now)
+
+    def __len__(self) -> int:
+        """Locks held, or lapsed and not yet dropped (counters and versions aside)."""
+        return len(self._held)
+
+
+def _drop(entries: dict[K, V], gone: Callable[[V], bool]) -> int:
+    """Delete the entries whose value is ``gone``; return how many."""
+    keys = [key for key, value in entries.items() if gone(value)]
+    for key in keys:
+        del entries[key]
+    return len(keys)
 
 
 class MemoryQueue:
