@@ -3,18 +3,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
 from proxy.store import Store, make_store
 from proxy.store.memory import MemoryStore
+from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SQLiteStore
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, RedisServer, ThreadServer
@@ -176,3 +179,33 @@ def later(store_url: str, clock: Clock) -> Later:
             clock.now += seconds
 
     return fast_forward
+
+
+# What each part keeps, by backend: the SQLite tables, the Redis key patterns.
+_TABLES = {"buckets": ("limit_rates", "limit_slots", "limit_pauses"), "locks": ("resource_locks",)}
+_PATTERNS = {"buckets": "tp:{lim:*", "locks": "tp:{res:*}:l:*"}
+
+
+def stored_entries(store: Store, part: str) -> int:
+    """How many entries ``part`` (``buckets``: rate buckets, slot leases, pauses;
+    ``locks``: resource locks, not their counters) keeps in ``store`` now, lapsed or not:
+    entries in memory, rows in SQLite, keys in Redis."""
+    if isinstance(store, MemoryStore):
+        return len(store.buckets() if part == "buckets" else store.locks())
+    if isinstance(store, SQLiteStore):
+        db = sqlite3.connect(store.path)
+        try:
+            return sum(_rows(db, table) for table in _TABLES[part])
+        finally:
+            db.close()
+    assert isinstance(store, RedisStore)
+    client = redis.Redis.from_url(store.url)
+    try:
+        return sum(1 for _ in client.scan_iter(match=_PATTERNS[part]))
+    finally:
+        client.close()
+
+
+def _rows(db: sqlite3.Connection, table: str) -> int:
+    exists = db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+    return int(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]) if exists else 0

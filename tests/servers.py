@@ -13,8 +13,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +290,72 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(10)
             self.process = None
+
+
+class ReplyDropper:
+    """A TCP proxy in front of a Redis (on the test's event loop) that forwards every
+    command but, once armed, swallows every reply on the connection of the next EVALSHA:
+    the script runs in Redis, and its caller never hears of it (it times out)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.armed = False
+        self.dropped = 0
+        """Connections whose replies were swallowed."""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        """Listen on a free port; the Redis URL to reach it by."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}/0"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers |= {writer, up_writer}
+        deaf = asyncio.Event()
+
+        async def commands() -> None:
+            while data := await reader.read(65536):
+                if self.armed and b"EVALSHA" in data:
+                    self.armed = False
+                    self.dropped += 1
+                    deaf.set()
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def replies() -> None:
+            while data := await up_reader.read(65536):
+                if not deaf.is_set():
+                    writer.write(data)
+                    await writer.drain()
+
+        tasks = {
+            asyncio.ensure_future(_quietly(commands())),
+            asyncio.ensure_future(_quietly(replies())),
+        }
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for one in (writer, up_writer):
+                one.close()
+                self._writers.discard(one)
+
+
+async def _quietly(work: Coroutine[Any, Any, None]) -> None:
+    """``work``, ended by a connection that closes (reset, broken pipe) as by its end."""
+    with suppress(OSError):
+        await work
 
 
 class ProxyProcess:

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.store import Buckets, Store, make_buckets
 from proxy.store.buckets import Rate, Slots
-from tests.conftest import Later
+from tests.conftest import Later, stored_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -175,3 +175,23 @@ async def test_concurrent_takes_never_exceed_the_burst_or_the_slots(buckets: Buc
     assert sum(a.allowed for a in got) == 3
     slots = await asyncio.gather(*(buckets.take(GROUP, [], [SLOTS], f"p{i}", 5) for i in range(20)))
     assert sum(a.allowed for a in slots) == 2
+
+
+async def test_the_sweep_drops_buckets_at_rest_lapsed_slots_and_ended_pauses(
+    opened: Store, buckets: Buckets, later: Later
+) -> None:
+    """Memory and SQLite keep every key's bucket until swept (Redis expires its keys)."""
+    rates = [Rate(f"k{i}", 0.1, 0.3) for i in range(5)]
+    slots = [Slots(f"s{i}", 1) for i in range(5)]
+    for i in range(5):
+        assert (await buckets.take(GROUP, [rates[i]], [slots[i]], f"o{i}", 0.2)).allowed
+    await buckets.pause("route-b", 0.2)
+    await opened.sweep()  # nothing has lapsed yet: kept
+    assert not (await buckets.take(GROUP, [], [slots[0]], "late", 5)).allowed
+    assert not await take_other_group(buckets)
+    assert stored_entries(opened, "buckets") > 0
+    await later(0.35)
+    await opened.sweep()
+    assert stored_entries(opened, "buckets") == 0
+    got = await buckets.take(GROUP, [rates[0]], [slots[0]], "late", 5)
+    assert got.allowed and got.rates[0].remaining == 2 and got.free == (0,)

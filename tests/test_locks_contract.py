@@ -13,7 +13,7 @@ import pytest
 
 from proxy.store import Locks, Store, make_locks
 from proxy.store.locks import Version
-from tests.conftest import Later
+from tests.conftest import Later, stored_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -166,3 +166,18 @@ async def test_a_mark_expires_with_its_version(locks: Locks, later: Later) -> No
     await later(TTL + 0.05)
     assert await locks.settle(SCOPE, KEY, "a", True, TTL) is None
     assert not (await locks.begin(SCOPE, KEY, "b", TTL)).written  # forgotten: fresh
+
+
+async def test_the_sweep_drops_lapsed_locks_and_keeps_their_counters(
+    opened: Store, locks: Locks, later: Later
+) -> None:
+    """Memory and SQLite keep every lock until swept (Redis expires its keys)."""
+    for i in range(5):
+        assert (await locks.acquire(SCOPE, f"{KEY}{i}", "a", TTL)).token == i + 1
+    await opened.sweep()  # nothing has lapsed yet: kept
+    assert (await locks.acquire(SCOPE, f"{KEY}0", "b", TTL)).token is None
+    assert stored_entries(opened, "locks") == 5
+    await later(TTL + 0.05)
+    await opened.sweep()
+    assert stored_entries(opened, "locks") == 0
+    assert (await locks.acquire(SCOPE, f"{KEY}0", "b", TTL)).token == 6  # the counter stayed

@@ -13,6 +13,9 @@ from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
 from proxy.store.locks import Grant, Version
 from proxy.store.queue import Job, JobState
 
+K = TypeVar("K")
+V = TypeVar("V")
+
 # The largest payload kept, as for Redis (a process's memory is no place for more).
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 
@@ -39,6 +42,8 @@ class MemoryStore:
         self._last_in_slot: dict[str, tuple[str, float]] = {}
         self._values: dict[str, tuple[bytes, float]] = {}
         self._queue: MemoryQueue | None = None
+        self._buckets: MemoryBuckets | None = None
+        self._locks: MemoryLocks | None = None
 
     def _live(self, key: RecordKey) -> _Entry | None:
         entry = self._records.get(key)
@@ -189,8 +194,13 @@ class MemoryStore:
         return True
 
     async def sweep(self) -> int:
-        """Drop every expired record; return how many."""
+        """Drop every expired record, slot pointer and value, and the rate buckets, slot
+        leases, pauses and locks whose time has passed; return how many records."""
         now = self._clock()
+        if self._buckets is not None:
+            self._buckets.sweep()
+        if self._locks is not None:
+            self._locks.sweep()
         expired = [k for k, e in self._records.items() if e.expires_at <= now]
         for key in expired:
             self._forget(key)
@@ -222,12 +232,18 @@ class MemoryStore:
             self._values.pop(f"lock|{key}", None)
 
     def buckets(self) -> MemoryBuckets:
-        """The rate buckets of this process, on the same clock."""
-        return MemoryBuckets(self._clock)
+        """The rate buckets of this process (one per store, swept with it), on the same
+        clock."""
+        if self._buckets is None:
+            self._buckets = MemoryBuckets(self._clock)
+        return self._buckets
 
     def locks(self) -> MemoryLocks:
-        """The resource locks and versions of this process, on the same clock."""
-        return MemoryLocks(self._clock)
+        """The resource locks and versions of this process (one per store, swept with
+        it), on the same clock."""
+        if self._locks is None:
+            self._locks = MemoryLocks(self._clock)
+        return self._locks
 
     def queue(self) -> MemoryQueue:
         """The job queue of this process (one per store), on the wall clock: its times
@@ -255,8 +271,9 @@ def _releasable(record: Record) -> bool:
 class MemoryBuckets:
     """``Buckets`` in this process's memory (one process only): tats, slot leases, pauses.
 
-    Entries whose time has passed are dropped when touched; a bucket at rest is as good
-    as absent.
+    Entries whose time has passed are dropped when touched, and all of them by ``sweep``:
+    a bucket at rest (its tat passed), a lapsed lease or a pause that ended is as good as
+    absent.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -332,6 +349,20 @@ class MemoryBuckets:
             del self._pauses[lapsed]  # one entry per caller paused now, not per caller ever
         key = (group, scope)
         self._pauses[key] = max(self._pauses.get(key, 0.0), now + seconds)
+
+    def sweep(self) -> int:
+        """Drop the buckets at rest, the lapsed slot leases and the ended pauses; return
+        how many entries."""
+        now = self._clock()
+        dropped = _drop(self._tats, lambda tat: tat <= now)
+        for held in self._slots.values():
+            dropped += _drop(held, lambda until: until <= now)
+        _drop(self._slots, lambda held: not held)
+        return dropped + _drop(self._pauses, lambda until: until <= now)
+
+    def __len__(self) -> int:
+        """Entries held: buckets, slot leases and pauses."""
+        return len(self._tats) + sum(map(len, self._slots.values())) + len(self._pauses)
 
 
 class MemoryLocks:
@@ -409,6 +440,17 @@ class MemoryLocks:
             entry.number, entry.written = self._draw(scope), True
         return self._keep(scope, key, entry, ttl).number
 
+    def sweep(self) -> int:
+        """Drop the lapsed locks and versions (not the counters); return how many."""
+        now = self._clock()
+        return _drop(self._held, lambda held: held.until <= now) + _drop(
+            self._versions, lambda entry: entry.until <= now
+        )
+
+    def __len__(self) -> int:
+        """Locks held, or lapsed and not yet dropped (counters and versions aside)."""
+        return len(self._held)
+
 
 @dataclass(slots=True)
 class _Held:
@@ -443,6 +485,14 @@ def _touch(entries: dict[tuple[str, str], _E], key: tuple[str, str], entry: _E, 
         if entries[first].until > now:
             return
         del entries[first]
+
+
+def _drop(entries: dict[K, V], gone: Callable[[V], bool]) -> int:
+    """Delete the entries whose value is ``gone``; return how many."""
+    keys = [key for key, value in entries.items() if gone(value)]
+    for key in keys:
+        del entries[key]
+    return len(keys)
 
 
 class MemoryQueue:

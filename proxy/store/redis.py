@@ -16,6 +16,9 @@ Keys::
 
     tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload)
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
+    tp:{<scope>}:steps     sorted set: the scope's records (<step>:<name>), scored by
+                           their expiry (ms); a member leaves as its record is released,
+                           settled away or found gone, or at the next claim after it expired
     tp:v:{<key>}           string: a shared value (an encrypted downstream token)
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full
@@ -58,8 +61,8 @@ SOCKET_CONNECT_TIMEOUT = 1.0
 SOCKET_TIMEOUT = 2.0
 # Connections per process beside the coalescer's own (readiness pings).
 MAX_CONNECTIONS = 16
-# Retries of a round trip on a connection error: safe, because every script is
-# idempotent for the same owner token.
+# Retries of a round trip on a connection error, with what is safe to send again
+# (``Coalescer``, ``RESENDABLE``).
 RETRIES = 2
 
 Command = tuple[Any, ...]
@@ -70,6 +73,9 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 # A round trip's deadline grows with what it sends, at this many bytes a second (a slow
 # link must not time out, and resend, a large outcome for ever).
 BYTES_PER_SECOND = 8 * 1024 * 1024
+# Members of a scope's index read per call when it is listed (a ZSCAN COUNT hint: an
+# index of up to 128 members, kept compact by Redis, comes in one).
+LIST_PAGE = 100
 # Error replies that no retry will turn into success: the write is refused (``StoreRefused``),
 # not the store out of reach. READONLY (a failover under way) is not among them.
 REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
@@ -83,7 +89,9 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 """
 
 # KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
-# result_ms, reexecute_lapsed (0/1), index member.
+# result_ms, reexecute_lapsed (0/1), index member. The index drops the members whose
+# record expired (their score passed) as a new one comes in; its own life is extended
+# twice as far as needed, so most claims skip that write.
 _CLAIM = (
     _NOW
     + """
@@ -99,11 +107,15 @@ if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
     return {0, 'failed', r[2], r[3], '', redis.call('PTTL', KEYS[1]), r[6], now}
   end
 end
-redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3], 'pl', '',
+if r[1] then redis.call('HDEL', KEYS[1], 'pl') end -- a fresh record has none
+redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
   'lu', now + ARGV[4], 'ct', now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('SADD', KEYS[3], ARGV[7])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ARGV[5]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then
+  redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2)
+end
 local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
 return {1, prev or ''}
 """
@@ -129,33 +141,41 @@ return read(KEYS[1], now)
 """
 )
 
-# KEYS: the scope index. ARGV: the record key prefix. Members whose record expired are
-# dropped from the index as they are found.
+# One page of a scope's listing. KEYS: the scope index, then the page's records. ARGV:
+# 1 to drop from the index the members whose record is gone (0: a legacy set index),
+# then the page's members. Returns the records found, each with its member appended.
 _RECORDS = (
     _NOW
     + _READ
     + """
 local out = {}
-for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local found = read(ARGV[1] .. member, now)
+for i = 2, #KEYS do
+  local found = read(KEYS[i], now)
   if found[1] == 1 then
-    table.insert(found, member)
+    table.insert(found, ARGV[i])
     table.insert(out, found)
-  else
-    redis.call('SREM', KEYS[1], member)
+  elseif ARGV[1] == '1' then
+    redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end
 return out
 """
 )
 
+# KEYS: record, scope index. ARGV: owner, lock_ms, result_ms, index member.
 _RENEW = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
 if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lu', now + ARGV[2], 'ut', now)
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('ZADD', KEYS[2], 'GT', now + ARGV[3], ARGV[4])
+  if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  end
+end
 return 1
 """
 )
@@ -172,30 +192,38 @@ if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' and
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[8],
   'ct', r[2] or now, 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[6])
+redis.call('ZADD', KEYS[2], now + ARGV[4], ARGV[6])
 if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 return 1
 """
 )
 
+# KEYS: record, scope index. ARGV: owner, index member.
 _RELEASE = """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow', 'pl')
 if r[2] ~= ARGV[1] then return 0 end
 if r[1] == 'in_progress' or (r[1] == 'failed' and r[3] == '') then
+  redis.call('ZREM', KEYS[2], ARGV[2])
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
 
-# KEYS: record. ARGV: new state ('' to delete), payload, result_ms, owner ('' for any).
+# KEYS: record, scope index. ARGV: new state ('' to delete), payload, result_ms, owner
+# ('' for any), index member.
 _SETTLE = (
     _NOW
     + """
 local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
 if r[1] ~= 'failed' or (ARGV[4] ~= '' and r[2] ~= ARGV[4]) then return 0 end
-if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
+if ARGV[1] == '' then
+  redis.call('ZREM', KEYS[2], ARGV[5])
+  return redis.call('DEL', KEYS[1])
+end
 redis.call('HSET', KEYS[1], 'st', ARGV[1], 'pl', ARGV[2], 'ut', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], now + ARGV[3], ARGV[5])
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 return 1
 """
 )
@@ -242,11 +270,18 @@ def _names(key: RecordKey) -> tuple[str, str, str, str]:
         scope = step = key.slot
     tag = f"{KEY_PREFIX}{{{scope}}}:"
     member = f"{step}:{key.name}"
-    return f"{tag}r:{member}", f"{tag}last:{step}", f"{tag}idx", member
+    return f"{tag}r:{member}", f"{tag}last:{step}", f"{tag}steps", member
 
 
 def index_key(scope: str) -> str:
-    """The Redis key of a scope's index (a set of members)."""
+    """The Redis key of a scope's index: a sorted set of members, each scored by when its
+    record expires (ms)."""
+    return f"{KEY_PREFIX}{{{scope}}}:steps"
+
+
+def legacy_index_key(scope: str) -> str:
+    """The set that indexed a scope before ``index_key``: still listed (never written)
+    until it expires, ``result_ttl`` after the last claim of a version that wrote it."""
     return f"{KEY_PREFIX}{{{scope}}}:idx"
 
 
@@ -261,6 +296,13 @@ class Coalescer:
     and bounded by one timer each: redis-py's pipeline costs several times more per
     command (a task per write when socket_timeout is set, a timer per reply, Python
     packing), and this is the hot path of every guarded request.
+
+    A round trip that breaks or times out is tried again on a new connection, but only
+    with what is safe to send twice: every command if none had been written yet, else
+    only the commands still without a reply that their caller marked ``resend`` (reads,
+    and writes that find their own token or owner applied and answer as the first time).
+    A command that may have run and is not safe to run again (a rate take, a true-up, a
+    compare-and-set whose answer would change) fails with the connection's error.
     """
 
     def __init__(self, pool: ConnectionPool) -> None:
@@ -268,18 +310,19 @@ class Coalescer:
         self._connection: AbstractConnection = pool.connection_class(**kwargs)
         self._timeout = float(pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT)
         self._busy = False
-        self._pending: list[tuple[Command, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Command, bool, asyncio.Future[Any]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def call(self, *command: Any) -> Any:
-        """Send ``command`` (now, or with the next batch) and return its reply."""
+    async def call(self, *command: Any, resend: bool = False) -> Any:
+        """Send ``command`` (now, or with the next batch) and return its reply;
+        ``resend``: safe to send again if its reply is lost (see the class)."""
         if self._busy:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._pending.append((command, future))
+            self._pending.append((command, resend, future))
             return await future
         self._busy = True
         try:
-            (reply,) = await self._round_trip([command])
+            (reply,) = await self._round_trip([command], [resend])
         finally:
             self._next()
         if isinstance(reply, Exception):
@@ -295,18 +338,18 @@ class Coalescer:
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
-    async def _flush(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
+    async def _flush(self, batch: list[tuple[Command, bool, asyncio.Future[Any]]]) -> None:
         try:
-            replies = await self._round_trip([command for command, _ in batch])
+            replies = await self._round_trip([c for c, _, _ in batch], [r for _, r, _ in batch])
         except (RedisError, OSError) as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled (shutdown): nobody may wait forever
-            for _, future in batch:
+            for _, _, future in batch:
                 future.cancel()
             raise
         finally:
             self._next()
-        for (_, future), reply in zip(batch, replies, strict=True):
+        for (_, _, future), reply in zip(batch, replies, strict=True):
             if future.done():
                 continue
             if isinstance(reply, Exception):
@@ -314,28 +357,55 @@ class Coalescer:
             else:
                 future.set_result(reply)
 
-    async def _round_trip(self, commands: list[Command]) -> list[Any]:
-        """Send ``commands`` and read their replies (an error reply is returned, not raised).
+    async def _round_trip(self, commands: list[Command], resend: list[bool]) -> list[Any]:
+        """Send ``commands`` and read their replies. An error reply, or the error that
+        kept a command from its reply, is returned in its place, not raised.
 
-        A broken or timed-out connection is dropped and the whole batch sent once more on
-        a new one: safe, because every script is idempotent for the same owner token.
+        A broken or timed-out connection is dropped and what is safe to send again (see
+        the class) sent once more on a new one, up to ``RETRIES`` times.
         """
-        packed = b"".join([hiredis.pack_command(command) for command in commands])
-        connection = self._connection
+        packed = [hiredis.pack_command(command) for command in commands]
+        replies: list[Any] = [None] * len(commands)
+        todo = list(range(len(commands)))
         for attempt in range(RETRIES + 1):
-            try:
-                async with asyncio.timeout(self._timeout + len(packed) / BYTES_PER_SECOND):
-                    if not connection.is_connected:
-                        await connection.connect()  # type: ignore[no-untyped-call]
-                    await connection.send_packed_command(packed, check_health=False)
-                    return [await _reply(connection) for _ in commands]
-            except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
-                await connection.disconnect(nowait=True)
-                if attempt == RETRIES:
-                    if isinstance(exc, RedisError):
-                        raise
-                    raise RedisConnectionError(str(exc) or type(exc).__name__) from exc
-        raise AssertionError("unreachable")
+            read, written, error = await self._attempt([packed[i] for i in todo])
+            for i, reply in zip(todo, read, strict=False):
+                replies[i] = reply
+            if error is None:
+                break
+            left, todo = todo[len(read) :], []
+            for i in left:
+                if attempt < RETRIES and (not written or resend[i]):
+                    todo.append(i)
+                else:
+                    replies[i] = error
+            if not todo:
+                break
+        return replies
+
+    async def _attempt(self, packed: list[bytes]) -> tuple[list[Any], bool, RedisError | None]:
+        """One try: the replies read (in order, maybe not all), whether any byte may have
+        reached Redis, and the error that ended it early (the connection is dropped)."""
+        data = b"".join(packed)
+        connection = self._connection
+        read: list[Any] = []
+        written = False
+        try:
+            async with asyncio.timeout(self._timeout + len(data) / BYTES_PER_SECOND):
+                if not connection.is_connected:
+                    await connection.connect()  # type: ignore[no-untyped-call]
+                written = True
+                await connection.send_packed_command(data, check_health=False)
+                for _ in packed:
+                    read.append(await _reply(connection))
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+            await connection.disconnect(nowait=True)
+            if isinstance(exc, RedisError):
+                return read, written, exc
+            error = RedisConnectionError(str(exc) or type(exc).__name__)
+            error.__cause__ = exc
+            return read, written, error
+        return read, written, None
 
     async def close(self) -> None:
         await self._connection.disconnect()
@@ -366,14 +436,20 @@ class RedisStore:
         self._coalescer = Coalescer(pool)
         self._queue: RedisQueue | None = None
 
-    async def _script(self, source: str, keys: list[str], *args: Any) -> Any:
+    async def _script(
+        self, source: str, keys: list[str], *args: Any, resend: bool | None = None
+    ) -> Any:
+        """Run a script; ``resend`` (by default: whether it is in ``RESENDABLE``) lets the
+        coalescer send it again when its reply is lost."""
         sha = _SHA[source]
+        again = source in RESENDABLE if resend is None else resend
+        command = ("EVALSHA", sha, len(keys), *keys, *args)
         try:
             try:
-                return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
+                return await self._coalescer.call(*command, resend=again)
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
-                await self._coalescer.call("SCRIPT", "LOAD", source)
-                return await self._coalescer.call("EVALSHA", sha, len(keys), *keys, *args)
+                await self._coalescer.call("SCRIPT", "LOAD", source, resend=True)
+                return await self._coalescer.call(*command, resend=again)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except RedisError as exc:
@@ -401,8 +477,9 @@ class RedisStore:
         return Claim(_record(keys[0], reply[1:], key))
 
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
-        args = (owner, _ms(lock_ttl), _ms(result_ttl))
-        return bool(await self._script(_RENEW, [record_key(key)], *args))
+        record, _, index, member = _names(key)
+        args = (owner, _ms(lock_ttl), _ms(result_ttl), member)
+        return bool(await self._script(_RENEW, [record, index], *args))
 
     async def complete(
         self,
@@ -421,10 +498,12 @@ class RedisStore:
         replace = "1" if replace_outcome else "0"
         fenced = successor or owner
         args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace, fenced)
-        return bool(await self._script(_COMPLETE, keys, *args))
+        # sent again, a complete that must not replace an outcome would find its own
+        return bool(await self._script(_COMPLETE, keys, *args, resend=replace_outcome))
 
     async def release(self, key: RecordKey, owner: str) -> bool:
-        return bool(await self._script(_RELEASE, [record_key(key)], owner))
+        record, _, index, member = _names(key)
+        return bool(await self._script(_RELEASE, [record, index], owner, member))
 
     async def get(self, key: RecordKey) -> Record | None:
         name = record_key(key)
@@ -432,15 +511,41 @@ class RedisStore:
         return _record(name, reply[1:], key) if reply[0] == 1 else None
 
     async def records(self, scope: str) -> list[Record]:
+        """Page by page (``ZSCAN``, then ``SSCAN`` of a legacy index): no call to Redis
+        reads more than about ``LIST_PAGE`` records, however long the scope's index."""
         prefix = record_prefix(scope)
-        replies = await self._script(_RECORDS, [index_key(scope)], prefix)
-        found = [_indexed(scope, prefix, reply) for reply in replies]
-        return sorted(found, key=lambda r: (r.created_at, r.key or ("", "")))
+        found: dict[str, Record] = {}
+        for index, pairs in ((index_key(scope), True), (legacy_index_key(scope), False)):
+            cursor = "0"
+            while True:
+                cursor, members = await self._index_page(index, pairs, cursor)
+                page = [m for m in members if m not in found]
+                if page:
+                    keys = [index, *(prefix + m for m in page)]
+                    for reply in await self._script(_RECORDS, keys, int(pairs), *page):
+                        found[reply[-1].decode()] = _indexed(scope, prefix, reply)
+                if cursor == "0":
+                    break
+        return sorted(found.values(), key=lambda r: (r.created_at, r.key or ("", "")))
+
+    async def _index_page(self, index: str, scored: bool, cursor: str) -> tuple[str, list[str]]:
+        """One ``ZSCAN`` (``scored``) or ``SSCAN`` step: the next cursor, the members."""
+        scan = "ZSCAN" if scored else "SSCAN"
+        position, items = await self._command(scan, index, cursor, "COUNT", LIST_PAGE, resend=True)
+        members = items[::2] if scored else items
+        position = position.decode() if isinstance(position, bytes) else str(position)
+        return position, [m.decode() for m in members]
 
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
         """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
         position, names = await self._command(
-            "SCAN", cursor or "0", "MATCH", f"{KEY_PREFIX}{{*}}:r:*", "COUNT", max(count, 1)
+            "SCAN",
+            cursor or "0",
+            "MATCH",
+            f"{KEY_PREFIX}{{*}}:r:*",
+            "COUNT",
+            max(count, 1),
+            resend=True,
         )
         found = []
         for raw in names:
@@ -459,32 +564,35 @@ class RedisStore:
         *,
         owner: str | None = None,
     ) -> bool:
+        record, _, index, member = _names(key)
         args = ("" if state is None else state.value, payload, _ms(result_ttl), owner or "")
-        return bool(await self._script(_SETTLE, [record_key(key)], *args))
+        return bool(await self._script(_SETTLE, [record, index], *args, member))
 
     async def delete(self, key: RecordKey) -> bool:
         return bool(await self._command("DEL", record_key(key)))
 
-    async def _command(self, *command: Any) -> Any:
+    async def _command(self, *command: Any, resend: bool = False) -> Any:
+        """One plain command; ``resend`` as for ``Coalescer.call`` (reads, plain SETs)."""
         try:
-            return await self._coalescer.call(*command)
+            return await self._coalescer.call(*command, resend=resend)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
 
     async def put_value(self, key: str, value: bytes, ttl: float) -> None:
-        await self._command("SET", f"{KEY_PREFIX}v:{{{key}}}", value, "PX", _ms(ttl))
+        await self._command("SET", f"{KEY_PREFIX}v:{{{key}}}", value, "PX", _ms(ttl), resend=True)
 
     async def get_value(self, key: str) -> bytes | None:
-        value = await self._command("GET", f"{KEY_PREFIX}v:{{{key}}}")
+        value = await self._command("GET", f"{KEY_PREFIX}v:{{{key}}}", resend=True)
         return None if value is None else bytes(value)
 
     async def acquire(self, key: str, owner: str, ttl: float) -> bool:
         name = f"{KEY_PREFIX}l:{{{key}}}"
-        if await self._command("SET", name, owner, "NX", "PX", _ms(ttl)):
+        # both safe to send again: a lost SET NX is found by the GET (its owner)
+        if await self._command("SET", name, owner, "NX", "PX", _ms(ttl), resend=True):
             return True
-        return bool(await self._command("GET", name) == owner.encode())
+        return bool(await self._command("GET", name, resend=True) == owner.encode())
 
     async def unlock(self, key: str, owner: str) -> None:
         await self._script(_UNLOCK, [f"{KEY_PREFIX}l:{{{key}}}"], owner)
@@ -1132,6 +1240,22 @@ _SHA.update(
 )
 
 
+# The scripts the coalescer may send again when their reply is lost (``Coalescer``): reads,
+# and writes that, run twice, do and answer as once: the same owner's claim, renewals
+# and releases (no caller reads a release's answer), the queue's writes (each carries a
+# token), a pause (the later end wins). Not the rate take and true-up (units taken twice),
+# a settle or a lock's release (their answer would say "changed meanwhile"), nor a
+# complete that must not replace an outcome (it would find its own); those fail with
+# ``StoreUnavailable``, as when Redis is out of reach.
+RESENDABLE = frozenset(
+    {
+        *(_CLAIM, _GET, _RECORDS, _RENEW, _RELEASE, _UNLOCK),
+        *(_RENEW_SLOTS, _PAUSE, _ACQUIRE_LOCK, _RENEW_LOCK, _READ_VERSION, _BEGIN_WRITE),
+        *(_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS),
+    }
+)
+
+
 def queue_key(kind: str, name: str = "") -> str:
     """A key of the job queue: ``job`` or ``ev`` of a job id, ``q`` or ``due`` of a route,
     or the indexes ``ids``, ``exp``, ``routes``."""
@@ -1175,7 +1299,7 @@ class RedisQueue:
         return _job(reply)
 
     async def get(self, id: str) -> Job | None:
-        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS)
+        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS, resend=True)
         return None if reply[0] is None else _job(reply)
 
     async def events(self, id: str, after: int) -> list[Job] | None:

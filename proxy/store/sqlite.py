@@ -213,8 +213,9 @@ class SQLiteStore:
         await self._run(self._transaction, _unlock, f"lock|{key}", owner.encode())
 
     async def sweep(self) -> int:
-        """Delete expired records, slot pointers, values and jobs (with their events);
-        return how many records."""
+        """Delete expired records, slot pointers, values and jobs (with their events), and
+        the rate buckets at rest, lapsed slot leases, ended pauses and lapsed resource
+        locks (not their fencing counters); return how many records."""
         return await self._run(self._transaction, _sweep)
 
     async def ping(self) -> None:
@@ -437,6 +438,17 @@ def _delete(db: sqlite3.Connection, now: float, key: RecordKey) -> bool:
     return cursor.rowcount == 1
 
 
+# Rows of the rate buckets and resource locks whose time has passed (as good as absent),
+# by table and column; the tables exist once their part was first used.
+_LAPSED = {
+    "limit_rates": "tat",
+    "limit_slots": "until",
+    "limit_pauses": "until",
+    "resource_locks": "until",
+    "resource_versions": "until",
+}
+
+
 def _sweep(db: sqlite3.Connection, now: float) -> int:
     count = db.execute("DELETE FROM step_records WHERE expires_at <= ?", (now,)).rowcount
     db.execute("DELETE FROM slots WHERE expires_at <= ?", (now,))
@@ -445,6 +457,12 @@ def _sweep(db: sqlite3.Connection, now: float) -> int:
         "DELETE FROM job_events WHERE id IN (SELECT id FROM jobs WHERE expires_at <= ?)", (now,)
     )
     db.execute("DELETE FROM jobs WHERE expires_at <= ?", (now,))
+    for (table,) in db.execute(
+        f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN"
+        f" ({', '.join('?' * len(_LAPSED))})",
+        tuple(_LAPSED),
+    ).fetchall():
+        db.execute(f"DELETE FROM {table} WHERE {_LAPSED[table]} <= ?", (now,))
     return count
 
 
