@@ -55,7 +55,9 @@ from proxy.config import (
 from proxy.errors import (
     ArgsHashMismatch,
     BadRequest,
+    DuplicateJSONMember,
     InvalidIdempotencyKey,
+    InvalidJSONBody,
     KeyReusedWithOtherBody,
     McpRefused,
     MissingIdempotencyKey,
@@ -66,7 +68,14 @@ from proxy.errors import (
 )
 from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import Forward, Guard, Outcome
-from proxy.keys import Canonicalization, KeyKind, canonical_json, parse_composite, parse_opaque
+from proxy.keys import (
+    Canonicalization,
+    KeyKind,
+    canonical_json,
+    parse_composite,
+    parse_json,
+    parse_opaque,
+)
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -148,11 +157,12 @@ class JsonRpcRefusal(Exception):
     """A body the proxy had to read is not the JSON-RPC it can guard (-32700, -32600,
     -32602): answered as a JSON-RPC error, nothing forwarded."""
 
-    def __init__(self, code: int, message: str, id: RequestId = None) -> None:
+    def __init__(self, code: int, message: str, id: RequestId = None, data: Any = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.id = id
+        self.data = data
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +267,8 @@ class McpView:
             call = tool_call(message) if _is_request(message, "tools/call") else None
         except JsonRpcRefusal as exc:  # the JSON-RPC spec's codes; 400 if it is not JSON-RPC
             status = 200 if exc.code == types.INVALID_PARAMS else 400
-            return Handled(
-                error_reply(exc.id, exc.code, exc.message, status=status), Outcome.REJECTED
-            )
+            reply = error_reply(exc.id, exc.code, exc.message, status=status, data=exc.data)
+            return Handled(reply, Outcome.REJECTED)
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
             unsupported = unsupported_version(request, call)
@@ -548,6 +557,7 @@ def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | Non
     if body.lstrip()[:1] == b"[":
         _check_batch(body)
         return None
+    _check_unique(body)
     try:
         message = types.JSONRPCMessage.model_validate_json(body).root
     except ValidationError as exc:
@@ -561,6 +571,25 @@ def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | Non
     if isinstance(message, types.JSONRPCRequest | types.JSONRPCNotification):
         return message
     return None
+
+
+def _check_unique(body: bytes) -> None:
+    """-32600 for a message whose objects repeat a member name: the proxy would read one
+    (the last), a server perhaps the other (``{"method": "tools/call", ..., "method":
+    "ping"}`` guarded as a ping, run as a call). ``error.data`` is the HTTP routes'
+    ``duplicate-json-member`` problem."""
+    try:
+        parse_json(body)
+    except DuplicateJSONMember as exc:
+        id = _id_of(body) if body.count(b'"id"') == 1 else None  # an id read one way only
+        raise _duplicate(exc, id) from None
+    except InvalidJSONBody:
+        return  # -32700, from the JSON-RPC parse
+
+
+def _duplicate(exc: DuplicateJSONMember, id: RequestId) -> JsonRpcRefusal:
+    data = json.loads(problem_body(exc))
+    return JsonRpcRefusal(types.INVALID_REQUEST, f"Invalid Request: {exc.detail}", id, data)
 
 
 def _check_request(message: types.JSONRPCRequest | types.JSONRPCNotification | None) -> None:
@@ -582,8 +611,10 @@ def _check_batch(body: bytes) -> None:
     """A JSON-RPC batch passes through unless it holds a ``tools/call``, which is refused:
     MCP dropped batches in 2025-06-18, and one record per call needs one call per POST."""
     try:
-        messages = json.loads(body)
-    except ValueError:
+        messages = parse_json(body)
+    except DuplicateJSONMember as exc:
+        raise _duplicate(exc, None) from None
+    except InvalidJSONBody:
         raise JsonRpcRefusal(types.PARSE_ERROR, "Parse error: the body is not JSON") from None
     if not isinstance(messages, list) or not messages:
         raise JsonRpcRefusal(types.INVALID_REQUEST, "Invalid Request: an empty batch")

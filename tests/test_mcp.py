@@ -423,6 +423,42 @@ def test_a_body_that_cannot_be_guarded_is_a_json_rpc_error(
     assert answer.json()["jsonrpc"] == "2.0"
 
 
+@pytest.mark.parametrize(
+    ("body", "id"),
+    [
+        (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": %s, "method": "ping"}', 7),
+        (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": %s, "id": 8}', None),
+        (
+            b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "charge", '
+            b'"arguments": {"account": "%s", "cents": 1, "cents": 2}}}',
+            7,
+        ),
+        (
+            b'[{"jsonrpc": "2.0", "id": 7, "method": "ping", "method": "tools/call", '
+            b'"params": %s}]',
+            None,
+        ),
+    ],
+)
+def test_a_message_that_repeats_a_member_name_is_refused_and_not_sent(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, body: bytes, id: int | None
+) -> None:
+    """Read as the last ``method`` by the proxy, perhaps as the first by the server: an
+    unguarded call. One reading, as on HTTP routes (duplicate-json-member)."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    params = json.dumps({"name": "charge", "arguments": {"account": who, "cents": 1}})
+    filled = body % (who.encode() if b"cents" in body else params.encode())
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = http.post(raw.url, content=filled, headers=raw.headers)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert (error["id"], error["error"]["code"]) == (id, -32600)
+    assert error["error"]["data"]["type"] == "urn:tool-proxy:problem:duplicate-json-member"
+    assert mcp_tool.executions[who] == 0
+
+
 def test_a_cancellation_of_another_request_is_forwarded(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
