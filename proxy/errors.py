@@ -9,7 +9,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── BadRequest                          400
     │   ├── InvalidPath                     400  path escapes the route or is not origin-form
     │   ├── InvalidHeader                   400  a header the proxy reads repeated with another
-    │   │                                        value, or a header value that is not UTF-8
+    │   │                                        value (a key's header: at all), or a header
+    │   │                                        value that is not UTF-8
     │   ├── MissingIdempotencyKey           400
     │   ├── InvalidIdempotencyKey           400
     │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
@@ -510,6 +511,7 @@ NOT_SENT: tuple[type[ProxyError], ...] = (
     RateLimited,
     LimitsUnavailable,
     LocksUnavailable,
+    InvalidHeader,
     ResourceKeyMissing,
     ResourceLocked,
     PreconditionFailed,
