@@ -465,23 +465,32 @@ async def _concluded(
     return Handled(rendered, outcome, label)
 
 
-# Messages of the server held for a slow first caller, at most; past it, progress
-# notifications are dropped (the server's requests, e.g. elicitation, never are).
+# Messages of the server held for a slow first caller: past MAX_HELD_EVENTS, progress
+# notifications are dropped; past MAX_HELD_MESSAGES or MAX_HELD_BYTES, any other message
+# (a request of the server, a log line) cuts the caller's stream off: what is held is
+# dropped, and the stream ends with -32010 (the call goes on and is recorded; the same
+# call under the same key gets its result).
 MAX_HELD_EVENTS = 256
+MAX_HELD_MESSAGES = 1024
+MAX_HELD_BYTES = 8 * 1024 * 1024
 
 
 class Progress:
     """The first caller's view of a guarded call answered over SSE: the server's messages
     before the result (progress, its requests) are passed on as they arrive, then the
     result as the state machine recorded it. The reading of the answer never waits for
-    the caller: what a slow caller has not taken yet is held (``MAX_HELD_EVENTS``)."""
+    the caller: what a slow caller has not taken yet is held, within bounds
+    (``MAX_HELD_EVENTS``, ``MAX_HELD_MESSAGES``, ``MAX_HELD_BYTES``)."""
 
     def __init__(self) -> None:
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Done when the server's answer turned out to be an SSE stream."""
         self._held: deque[bytes] = deque()
+        self._held_bytes = 0
         self._wake = asyncio.Event()
         self._gone = False
+        self._cut = False
+        """True once the caller fell too far behind: its stream ends, without the result."""
 
     def start(self) -> None:
         if not self.started.done():
@@ -491,9 +500,25 @@ class Progress:
         """A message of the server on the call's stream that is not its result."""
         if self._gone:
             return
-        if len(self._held) >= MAX_HELD_EVENTS and b'"notifications/progress"' in data:
+        over = self._held_bytes + len(data) > MAX_HELD_BYTES
+        if b'"notifications/progress"' in data and (over or len(self._held) >= MAX_HELD_EVENTS):
+            return
+        if over or len(self._held) >= MAX_HELD_MESSAGES:
+            self._cut_off()
             return
         self._held.append(data)
+        self._held_bytes += len(data)
+        self._wake.set()
+
+    @property
+    def held(self) -> int:
+        """How many messages are held for the caller now."""
+        return len(self._held)
+
+    def _cut_off(self) -> None:
+        self._gone = self._cut = True
+        self._held.clear()
+        self._held_bytes = 0
         self._wake.set()
 
     def ended(self, run: asyncio.Task[Attempt]) -> None:
@@ -516,9 +541,11 @@ class Progress:
         self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
     ) -> AsyncIterator[bytes]:
         try:
-            while True:
+            while not self._cut:
                 while self._held:
-                    yield _event(self._held.popleft())
+                    data = self._held.popleft()
+                    self._held_bytes -= len(data)
+                    yield _event(data)
                 if run.done():
                     break
                 self._wake.clear()
@@ -526,11 +553,22 @@ class Progress:
         finally:  # also when the caller goes away: the call goes on without it
             self._gone = True
             self._held.clear()
+        if self._cut:
+            yield _event(await _body(refusal(id, _fell_behind())))
+            return
         handled = await _concluded(run.result(), id, accept, session, label)
         final = await _body(handled.response)
         if _content_type(handled.response.raw_headers) != SSE:
             final = _event(final)
         yield final
+
+
+def _fell_behind() -> RequestInProgress:
+    return RequestInProgress(
+        "this stream fell too far behind the tool server's messages and was cut off; the "
+        "call goes on and is recorded",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _event(data: bytes) -> bytes:

@@ -1098,6 +1098,54 @@ def test_a_slow_first_caller_loses_progress_past_the_held_events_never_requests(
     assert final["id"] == 7 and final["error"]["code"] == mcp.OUTCOME_UNKNOWN
 
 
+async def _held_frames(messages: list[bytes]) -> tuple[list[bytes], mcp.Progress]:
+    """The frames a first caller gets that starts reading only after ``messages`` (and
+    the call's end)."""
+    progress = mcp.Progress()
+
+    async def attempt() -> mcp.Attempt:
+        return OutcomeUnknown("the upstream did not answer in time", status=504)
+
+    run = asyncio.get_running_loop().create_task(attempt())
+    for message in messages:
+        progress.event(message)
+    await run
+    response = progress.response(run, 7, "text/event-stream", "s-1", "key")
+    assert isinstance(response, StreamingResponse)
+    return [bytes(chunk) async for chunk in response.body_iterator], progress  # type: ignore[arg-type]
+
+
+def _final(frames: list[bytes]) -> Any:
+    return json.loads(frames[-1].removeprefix(b"event: message\ndata: "))
+
+
+@pytest.mark.parametrize(
+    ("count", "size"), [(mcp.MAX_HELD_MESSAGES + 1, 10), (9, mcp.MAX_HELD_BYTES // 8)]
+)
+def test_a_first_caller_too_far_behind_is_cut_off_past_the_held_bounds(
+    count: int, size: int
+) -> None:
+    """Log lines and requests of the server are held for a slow caller up to
+    MAX_HELD_MESSAGES and MAX_HELD_BYTES; past them its stream is cut off (nothing more
+    is held) and ends with "in progress": the same call under the same key gets the
+    result."""
+    log = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"%s"}}'
+    frames, progress = asyncio.run(_held_frames([log % (b"x" * size)] * count))
+    assert len(frames) == 1
+    final = _final(frames)
+    assert final["id"] == 7 and final["error"]["code"] == mcp.IN_PROGRESS
+    assert "fell too far behind" in final["error"]["data"]["detail"]
+    progress.event(log % b"late")  # after the cut: dropped, never held
+    assert progress.held == 0
+
+
+def test_progress_past_the_held_bytes_is_dropped_without_a_cut() -> None:
+    note = b'{"jsonrpc":"2.0","method":"notifications/progress","params":{"m":"%s"}}'
+    frames, _ = asyncio.run(_held_frames([note % (b"p" * (mcp.MAX_HELD_BYTES // 4))] * 6))
+    assert len(frames) == 4  # three held, then the result
+    assert _final(frames)["error"]["code"] == mcp.OUTCOME_UNKNOWN
+
+
 def test_a_first_caller_that_leaves_its_stream_does_not_stop_the_call(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
