@@ -1008,7 +1008,9 @@ def _final_response(
 
 
 def sse_data(raw: bytes) -> Iterator[bytes]:
-    """The data of each event of an SSE stream (``message`` events only)."""
+    """The data of each event of an SSE stream (``message`` events only). An event whose
+    data is empty is not dispatched (the SSE spec's "dispatch the event"): e.g. the
+    priming event that a resumable server opens each stream with (an id, empty data)."""
     for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
         event, data = b"message", []
         for line in block.split(b"\n"):
@@ -1018,8 +1020,9 @@ def sse_data(raw: bytes) -> Iterator[bytes]:
                 data.append(value)
             elif field == b"event":
                 event = value
-        if data and event == b"message":
-            yield b"\n".join(data)
+        joined = b"\n".join(data)
+        if joined and event == b"message":
+            yield joined
 
 
 # -- answering ------------------------------------------------------------------------

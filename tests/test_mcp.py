@@ -329,6 +329,35 @@ def test_a_replay_has_the_new_id_and_is_marked(make_proxy: ProxyFactory, mcp_too
     assert mcp_tool.executions[who] == 1
 
 
+def test_the_servers_priming_event_reaches_no_caller(make_proxy: ProxyFactory) -> None:
+    """A resumable server (2025-11-25) opens each SSE answer with an event that has an id
+    and empty data: not a message. Neither the first caller nor a replay gets it as an
+    ``event: message`` with empty data."""
+    tool = McpTool(json_response=False, resumable=True).start()
+    try:
+        proxy = through(make_proxy, tool)
+        direct, answers = _two_calls(tool.url + "/mcp"), _two_calls(proxy.url + "/mcp")
+    finally:
+        tool.stop()
+    assert b"\ndata: \n" in b"\n" + direct[0].replace(b"\r\n", b"\n")  # the server sends one
+    for answer in answers:
+        events = answer.replace(b"\r\n", b"\n").split(b"\n\n")
+        assert all(b"data: " in e and not e.endswith(b"data: ") for e in events if e), answer
+        assert b'"result"' in answer
+
+
+def _two_calls(url: str) -> list[bytes]:
+    """A guarded call and its replay, both over SSE, their raw bodies."""
+    arguments = {"account": account(), "cents": 3}
+    call = {"name": "charge", "arguments": arguments}
+    call["_meta"] = {"idempotencyKey": new_key(arguments)}
+    sse = "text/event-stream, application/json;q=0.9"
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, url, sse).open("2025-11-25")
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}
+        return [raw.post({**message, "id": n}).content for n in (1, 2)]
+
+
 def test_a_key_sent_again_with_other_arguments_is_refused(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
