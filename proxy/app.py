@@ -51,6 +51,7 @@ from proxy.errors import (
 )
 from proxy.fence import Fence
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
+from proxy.hosts import Listener
 from proxy.idempotency import Guard, Outcome
 from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, asked, prefer
@@ -87,6 +88,8 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 # The longest one store operation takes with its own retries (Redis: three attempts of a
 # 2 s socket timeout with backoff; SQLite: a 5 s busy timeout): a claim, then a conclusion.
 STORE_OPERATION_SECONDS = 7.0
+# The health probes: answered whatever the Host and Origin (a kubelet sends the pod's IP).
+PROBES = frozenset({ADMIN_PREFIX + "healthz", ADMIN_PREFIX + "readyz"})
 # Methods never forwarded (501): the proxy is not a tunnel, and TRACE would echo the
 # caller's headers, and those the proxy adds, back.
 NEVER_FORWARDED = frozenset({"CONNECT", "TRACE"})
@@ -174,6 +177,9 @@ class Proxy:
         self.log = logs.get_logger()
         self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
         self.router = Router(config.routes)
+        server = config.server
+        self.listener = Listener.of(server.host, server.allowed_hosts, server.allowed_origins)
+        """The Host and Origin checks; None when every Host and Origin passes."""
         ttls = {r.name: r.idempotency.result_ttl for r in config.routes if r.idempotency}
         self.offload = Offload(config.offload, ttls) if config.offload else None
         self.metrics = Metrics()
@@ -270,6 +276,8 @@ class Proxy:
 
     async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
+        if self.listener is not None:
+            self.listener.check(request.header(b"host"), request.header(b"origin"))
         if request.method in NEVER_FORWARDED:
             raise MethodNotImplemented(f"{request.method} is never forwarded by this proxy")
         if ABSOLUTE_FORM in scope.get("extensions", {}):
@@ -608,10 +616,25 @@ class App:
         self.admin = admin
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not scope["path"].startswith(ADMIN_PREFIX):
-            await self.proxy(scope, receive, send)
-        else:
+        if scope["type"] != "http":
             await self.admin(scope, receive, send)
+        elif not scope["path"].startswith(ADMIN_PREFIX):
+            await self.proxy(scope, receive, send)
+        elif (listener := self.proxy.listener) is None or scope["path"] in PROBES:
+            await self.admin(scope, receive, send)
+        else:
+            await self._checked(listener, scope, receive, send)
+
+    async def _checked(
+        self, listener: Listener, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """An endpoint under ``/_proxy/`` (not a probe) once its Host and Origin pass."""
+        try:
+            listener.check_headers(scope["headers"])
+        except ProxyError as exc:
+            await problem_response(exc)(scope, receive, send)
+            return
+        await self.admin(scope, receive, send)
 
 
 def call_seconds(route: RouteConfig) -> float:

@@ -24,7 +24,7 @@ SSE = "text/event-stream"
 # another value is refused (the proxy would read one, the tool perhaps the other), and
 # Idempotency-Key, an RFC 8941 Item, and Host (RFC 9112 3.2) may not be repeated at all.
 READ_HEADERS = frozenset(
-    {b"authorization", b"content-length", b"content-type", b"host", b"idempotency-key"}
+    {b"authorization", b"content-length", b"content-type", b"host", b"idempotency-key", b"origin"}
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from proxy.errors import ConfigError
+from proxy.hosts import check_host_entry, check_origin_entry
 from proxy.keys import Canonicalization, KeyKind
 from proxy.numbers import whole
 
@@ -108,6 +109,8 @@ RESERVED_PREFIX = "/_proxy"
 ENV_CONFIG = "TOOL_PROXY_CONFIG"
 ENV_STORE_URL = "TOOL_PROXY_STORE_URL"
 ENV_STATE_DIR = "TOOL_PROXY_STATE_DIR"
+# The address `serve` binds (--host), for the app in each worker: the Host checks follow it.
+ENV_HOST = "TOOL_PROXY_HOST"
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
@@ -195,10 +198,30 @@ class StoreConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """Where `serve` listens."""
+    """Where `serve` listens, and the Host and Origin it answers (``proxy/hosts.py``)."""
 
     host: str = DEFAULT_HOST
     port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    allowed_hosts: tuple[str, ...] | None = None
+    """None: loopback names when bound to loopback, else every Host."""
+    allowed_origins: tuple[str, ...] | None = None
+    """None: the origins of the allowed Hosts (every Origin if every Host)."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if hosts is None else _entries(hosts, check_host_entry)
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if origins is None else _entries(origins, check_origin_entry)
+
+
+def _entries(entries: tuple[str, ...], check: Callable[[str], str]) -> tuple[str, ...]:
+    if not entries:
+        raise ValueError("at least one entry (or leave it out for the default)")
+    return tuple(check(entry) for entry in entries)
 
 
 class LimitsConfig(_Strict):
@@ -1125,6 +1148,8 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
         data = {**data, "store": {**(data.get("store") or {}), "url": store_url}}
     if state_dir := environ.get(ENV_STATE_DIR):
         data = {**data, "state_dir": state_dir}
+    if host := environ.get(ENV_HOST):
+        data = {**data, "server": {**(data.get("server") or {}), "host": host}}
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

@@ -9,7 +9,8 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── BadRequest                          400
     │   ├── InvalidPath                     400  path escapes the route or is not origin-form
     │   ├── InvalidHeader                   400  a header the proxy reads repeated with another
-    │   │                                        value, or a header value that is not UTF-8
+    │   │                                        value (a key's header: at all), or a header
+    │   │                                        value that is not UTF-8
     │   ├── MissingIdempotencyKey           400
     │   ├── InvalidIdempotencyKey           400
     │   ├── InvalidJSONBody                 400  does not parse, or nests beyond max_json_depth
@@ -20,6 +21,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
     ├── Forbidden                           403  an operator's JWT lacks the admin role
+    ├── OriginNotAllowed                    403  Origin not in server.allowed_origins
     ├── RouteNotFound                       404
     ├── PlanNotFound                        404  no record of this plan session for the caller
     ├── RecordNotFound                      404  no record under this id (admin)
@@ -31,6 +33,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── PreconditionFailed                  412  If-Match/If-None-Match is not the version
     ├── RequestTooLarge                     413
+    ├── MisdirectedRequest                  421  Host not in server.allowed_hosts
     ├── RateLimited                         429  a route limit, or the tool's own pause
     ├── HeaderFieldsTooLarge                431  the request head is above max_header_bytes
     ├── PreconditionRequired                428  a versioned write without If-Match
@@ -197,6 +200,22 @@ class Forbidden(ProxyError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail, headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'})
+
+
+class OriginNotAllowed(ProxyError):
+    """The request comes from a browser Origin the listener does not allow."""
+
+    status = 403
+    slug = "origin-not-allowed"
+    title = "Origin not allowed"
+
+
+class MisdirectedRequest(ProxyError):
+    """The request names a Host the listener does not answer for (DNS rebinding)."""
+
+    status = 421
+    slug = "misdirected-request"
+    title = "Misdirected request"
 
 
 class RouteNotFound(ProxyError):
@@ -513,6 +532,7 @@ NOT_SENT: tuple[type[ProxyError], ...] = (
     RateLimited,
     LimitsUnavailable,
     LocksUnavailable,
+    InvalidHeader,
     ResourceKeyMissing,
     ResourceLocked,
     PreconditionFailed,

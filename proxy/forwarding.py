@@ -248,6 +248,8 @@ class Upstream:
         """Send a request and wait for the headers; the exchange must end within ``seconds``.
 
         ``at_most_once``: never send it a second time, whatever happens to the connection.
+        An empty ``body`` is sent as none: a GET, HEAD or OPTIONS without one gets no
+        ``Content-Length: 0`` (RFC 9110 8.6); aiohttp still adds it to other methods.
         """
         session = self._once if at_most_once else self._session
         assert session is not None, "Upstream.start() was not awaited"
@@ -257,7 +259,7 @@ class Upstream:
                 method,
                 URL(url, encoded=True),
                 headers=headers,
-                data=body,
+                data=body if body != b"" else None,  # b"" is sent as Content-Length: 0
                 allow_redirects=False,
                 timeout=client_timeout,
             )

@@ -185,7 +185,7 @@ def canonical_body(body: bytes, canonicalization: Canonicalization, max_depth: i
         fast = _jcs_by_stdlib(body)
         if fast is not None:
             return fast
-    return canonical_json(_parse_json(body), canonicalization)
+    return canonical_json(parse_json(body), canonicalization)
 
 
 def is_json_media_type(content_type: str | None) -> bool:
@@ -236,7 +236,9 @@ def hashed_bytes(
         return body
 
 
-def _parse_json(body: bytes) -> Any:
+def parse_json(body: bytes) -> Any:
+    """The value of a JSON text (UTF-8, -16 or -32); ``InvalidJSONBody`` if it does not
+    parse, ``DuplicateJSONMember`` if an object repeats a member name."""
     try:
         return _FULL_DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -55,7 +55,9 @@ from proxy.config import (
 from proxy.errors import (
     ArgsHashMismatch,
     BadRequest,
+    DuplicateJSONMember,
     InvalidIdempotencyKey,
+    InvalidJSONBody,
     KeyReusedWithOtherBody,
     McpRefused,
     MissingIdempotencyKey,
@@ -67,7 +69,14 @@ from proxy.errors import (
 from proxy.fence import Fence
 from proxy.forwarding import UpstreamResponse
 from proxy.idempotency import Forward, Guard, Outcome
-from proxy.keys import Canonicalization, KeyKind, canonical_json, parse_composite, parse_opaque
+from proxy.keys import (
+    Canonicalization,
+    KeyKind,
+    canonical_json,
+    parse_composite,
+    parse_json,
+    parse_opaque,
+)
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -155,11 +164,12 @@ class JsonRpcRefusal(Exception):
     """A body the proxy had to read is not the JSON-RPC it can guard (-32700, -32600,
     -32602): answered as a JSON-RPC error, nothing forwarded."""
 
-    def __init__(self, code: int, message: str, id: RequestId = None) -> None:
+    def __init__(self, code: int, message: str, id: RequestId = None, data: Any = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.id = id
+        self.data = data
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,9 +274,8 @@ class McpView:
             call = tool_call(message) if _is_request(message, "tools/call") else None
         except JsonRpcRefusal as exc:  # the JSON-RPC spec's codes; 400 if it is not JSON-RPC
             status = 200 if exc.code == types.INVALID_PARAMS else 400
-            return Handled(
-                error_reply(exc.id, exc.code, exc.message, status=status), Outcome.REJECTED
-            )
+            reply = error_reply(exc.id, exc.code, exc.message, status=status, data=exc.data)
+            return Handled(reply, Outcome.REJECTED)
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
             unsupported = unsupported_version(request, call)
@@ -467,23 +476,32 @@ async def _concluded(
     return Handled(rendered, outcome, label)
 
 
-# Messages of the server held for a slow first caller, at most; past it, progress
-# notifications are dropped (the server's requests, e.g. elicitation, never are).
+# Messages of the server held for a slow first caller: past MAX_HELD_EVENTS, progress
+# notifications are dropped; past MAX_HELD_MESSAGES or MAX_HELD_BYTES, any other message
+# (a request of the server, a log line) cuts the caller's stream off: what is held is
+# dropped, and the stream ends with -32010 (the call goes on and is recorded; the same
+# call under the same key gets its result).
 MAX_HELD_EVENTS = 256
+MAX_HELD_MESSAGES = 1024
+MAX_HELD_BYTES = 8 * 1024 * 1024
 
 
 class Progress:
     """The first caller's view of a guarded call answered over SSE: the server's messages
     before the result (progress, its requests) are passed on as they arrive, then the
     result as the state machine recorded it. The reading of the answer never waits for
-    the caller: what a slow caller has not taken yet is held (``MAX_HELD_EVENTS``)."""
+    the caller: what a slow caller has not taken yet is held, within bounds
+    (``MAX_HELD_EVENTS``, ``MAX_HELD_MESSAGES``, ``MAX_HELD_BYTES``)."""
 
     def __init__(self) -> None:
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         """Done when the server's answer turned out to be an SSE stream."""
         self._held: deque[bytes] = deque()
+        self._held_bytes = 0
         self._wake = asyncio.Event()
         self._gone = False
+        self._cut = False
+        """True once the caller fell too far behind: its stream ends, without the result."""
 
     def start(self) -> None:
         if not self.started.done():
@@ -493,9 +511,25 @@ class Progress:
         """A message of the server on the call's stream that is not its result."""
         if self._gone:
             return
-        if len(self._held) >= MAX_HELD_EVENTS and b'"notifications/progress"' in data:
+        over = self._held_bytes + len(data) > MAX_HELD_BYTES
+        if b'"notifications/progress"' in data and (over or len(self._held) >= MAX_HELD_EVENTS):
+            return
+        if over or len(self._held) >= MAX_HELD_MESSAGES:
+            self._cut_off()
             return
         self._held.append(data)
+        self._held_bytes += len(data)
+        self._wake.set()
+
+    @property
+    def held(self) -> int:
+        """How many messages are held for the caller now."""
+        return len(self._held)
+
+    def _cut_off(self) -> None:
+        self._gone = self._cut = True
+        self._held.clear()
+        self._held_bytes = 0
         self._wake.set()
 
     def ended(self, run: asyncio.Task[Attempt]) -> None:
@@ -518,9 +552,11 @@ class Progress:
         self, run: asyncio.Task[Attempt], id: str | int, accept: str, session: str, label: str
     ) -> AsyncIterator[bytes]:
         try:
-            while True:
+            while not self._cut:
                 while self._held:
-                    yield _event(self._held.popleft())
+                    data = self._held.popleft()
+                    self._held_bytes -= len(data)
+                    yield _event(data)
                 if run.done():
                     break
                 self._wake.clear()
@@ -528,11 +564,22 @@ class Progress:
         finally:  # also when the caller goes away: the call goes on without it
             self._gone = True
             self._held.clear()
+        if self._cut:
+            yield _event(await _body(refusal(id, _fell_behind())))
+            return
         handled = await _concluded(run.result(), id, accept, session, label)
         final = await _body(handled.response)
         if _content_type(handled.response.raw_headers) != SSE:
             final = _event(final)
         yield final
+
+
+def _fell_behind() -> RequestInProgress:
+    return RequestInProgress(
+        "this stream fell too far behind the tool server's messages and was cut off; the "
+        "call goes on and is recorded",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _event(data: bytes) -> bytes:
@@ -559,6 +606,7 @@ def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | Non
     if body.lstrip()[:1] == b"[":
         _check_batch(body)
         return None
+    _check_unique(body)
     try:
         message = types.JSONRPCMessage.model_validate_json(body).root
     except ValidationError as exc:
@@ -572,6 +620,25 @@ def parse(body: bytes) -> types.JSONRPCRequest | types.JSONRPCNotification | Non
     if isinstance(message, types.JSONRPCRequest | types.JSONRPCNotification):
         return message
     return None
+
+
+def _check_unique(body: bytes) -> None:
+    """-32600 for a message whose objects repeat a member name: the proxy would read one
+    (the last), a server perhaps the other (``{"method": "tools/call", ..., "method":
+    "ping"}`` guarded as a ping, run as a call). ``error.data`` is the HTTP routes'
+    ``duplicate-json-member`` problem."""
+    try:
+        parse_json(body)
+    except DuplicateJSONMember as exc:
+        id = _id_of(body) if body.count(b'"id"') == 1 else None  # an id read one way only
+        raise _duplicate(exc, id) from None
+    except InvalidJSONBody:
+        return  # -32700, from the JSON-RPC parse
+
+
+def _duplicate(exc: DuplicateJSONMember, id: RequestId) -> JsonRpcRefusal:
+    data = json.loads(problem_body(exc))
+    return JsonRpcRefusal(types.INVALID_REQUEST, f"Invalid Request: {exc.detail}", id, data)
 
 
 def _check_request(message: types.JSONRPCRequest | types.JSONRPCNotification | None) -> None:
@@ -593,8 +660,10 @@ def _check_batch(body: bytes) -> None:
     """A JSON-RPC batch passes through unless it holds a ``tools/call``, which is refused:
     MCP dropped batches in 2025-06-18, and one record per call needs one call per POST."""
     try:
-        messages = json.loads(body)
-    except ValueError:
+        messages = parse_json(body)
+    except DuplicateJSONMember as exc:
+        raise _duplicate(exc, None) from None
+    except InvalidJSONBody:
         raise JsonRpcRefusal(types.PARSE_ERROR, "Parse error: the body is not JSON") from None
     if not isinstance(messages, list) or not messages:
         raise JsonRpcRefusal(types.INVALID_REQUEST, "Invalid Request: an empty batch")
@@ -949,7 +1018,9 @@ def _final_response(
 
 
 def sse_data(raw: bytes) -> Iterator[bytes]:
-    """The data of each event of an SSE stream (``message`` events only)."""
+    """The data of each event of an SSE stream (``message`` events only). An event whose
+    data is empty is not dispatched (the SSE spec's "dispatch the event"): e.g. the
+    priming event that a resumable server opens each stream with (an id, empty data)."""
     for block in raw.replace(b"\r\n", b"\n").split(b"\n\n"):
         event, data = b"message", []
         for line in block.split(b"\n"):
@@ -959,8 +1030,9 @@ def sse_data(raw: bytes) -> Iterator[bytes]:
                 data.append(value)
             elif field == b"event":
                 event = value
-        if data and event == b"message":
-            yield b"\n".join(data)
+        joined = b"\n".join(data)
+        if joined and event == b"message":
+            yield joined
 
 
 # -- answering ------------------------------------------------------------------------

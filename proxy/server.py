@@ -13,7 +13,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy.config import DEFAULT_MAX_HEADER_BYTES, ENV_CONFIG
+from proxy.config import DEFAULT_MAX_HEADER_BYTES, ENV_CONFIG, ENV_HOST
 from proxy.errors import BadRequest, HeaderFieldsTooLarge, ProxyError
 from proxy.logs import ENV_LOG_LEVEL
 from proxy.problems import raw_problem_response
@@ -166,10 +166,13 @@ def serve(
 
     ``max_header_bytes`` reaches the protocol as an argument bound to its class (a
     partial: it survives the pickling that hands the configuration to worker processes).
+    ``host`` reaches the app as ``server.host`` (``ENV_HOST``): its Host checks follow
+    the address actually bound, whatever the file says.
     """
     protocol = functools.partial(ProxyHttpProtocol, max_header_bytes=max_header_bytes)
     if config_path:
         os.environ[ENV_CONFIG] = os.path.abspath(config_path)
+    os.environ[ENV_HOST] = host
     os.environ[ENV_LOG_LEVEL] = log_level
     uvicorn.run(
         "proxy.app:app_from_env",

@@ -18,6 +18,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.server.fastmcp import Context, FastMCP
 from mcp.server.fastmcp.exceptions import ToolError
 from mcp.server.lowlevel import Server
+from mcp.server.streamable_http import EventCallback, EventId, EventStore, StreamId
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel
@@ -34,7 +35,7 @@ class McpTool:
     sees overlaps and fencing tokens, ``report`` answers large, ``chatty`` sends much
     progress, ``whoami`` shows the Authorization it got."""
 
-    def __init__(self, *, json_response: bool) -> None:
+    def __init__(self, *, json_response: bool, resumable: bool = False) -> None:
         self.executions: Counter[str] = Counter()
         self.running: Counter[str] = Counter()
         self.overlap: Counter[str] = Counter()
@@ -47,7 +48,12 @@ class McpTool:
         self.finished: defaultdict[str, threading.Event] = defaultdict(threading.Event)
         """Set once ``charge`` of an account has counted."""
         self.json_response = json_response
-        server = FastMCP("billing", json_response=json_response, log_level="WARNING")
+        server = FastMCP(
+            "billing",
+            json_response=json_response,
+            log_level="WARNING",
+            event_store=EventLog() if resumable else None,
+        )
 
         @server.tool()
         async def charge(account: str, cents: int, hold: bool = False) -> str:
@@ -146,6 +152,25 @@ class McpTool:
         self.server.stop()
 
 
+class EventLog(EventStore):
+    """An event store that numbers events and replays none: enough for the SDK server to
+    open each SSE answer with its priming event (an id, empty data; 2025-11-25)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def store_event(
+        self, stream_id: StreamId, message: types.JSONRPCMessage | None
+    ) -> EventId:
+        self.count += 1
+        return f"{stream_id}:{self.count}"
+
+    async def replay_events_after(
+        self, last_event_id: EventId, send_callback: EventCallback
+    ) -> StreamId | None:
+        return None
+
+
 class Confirmation(BaseModel):
     """What ``close`` asks the client for."""
 
@@ -191,13 +216,13 @@ class RawSession:
         self.url = url
         self.headers = {"Accept": accept, "Content-Type": "application/json"}
 
-    def open(self) -> RawSession:
+    def open(self, revision: str = "2025-06-18") -> RawSession:
         answer = self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {},
+            "protocolVersion": revision, "capabilities": {},
             "clientInfo": {"name": "raw", "version": "1"},
         }})  # fmt: skip
         self.headers["Mcp-Session-Id"] = answer.headers["mcp-session-id"]
-        self.headers["MCP-Protocol-Version"] = "2025-06-18"
+        self.headers["MCP-Protocol-Version"] = revision
         self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
         return self
 

@@ -121,6 +121,22 @@ def test_a_pass_through_route_is_limited_per_header_value(
     assert tool.total == 3
 
 
+def test_a_limit_keyed_by_a_header_refuses_its_repeated_lines(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """Keyed by the first of two lines, a caller would count as agent "a" while a tool
+    that joins them sees "a, b": one reading, or none."""
+    per_agent = {"name": "per-agent", "key": "header:X-Agent", "rate": "2/1m"}
+    proxy = make_proxy(limited(tool.url, per_agent, guarded=False))
+    headers = [("content-type", "application/json"), ("x-agent", "a"), ("X-Agent", "b")]
+    refused = httpx.post(proxy.url + "/tools/llm", content=json.dumps(BODY), headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["type"] == "urn:tool-proxy:problem:invalid-header"
+    assert "x-agent" in refused.json()["detail"]
+    assert post(proxy.url + "/tools/llm", agent="a").status_code == 200
+    assert tool.total == 1
+
+
 def test_a_call_costing_more_than_the_burst_is_refused_without_a_store_call(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

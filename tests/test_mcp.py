@@ -329,6 +329,35 @@ def test_a_replay_has_the_new_id_and_is_marked(make_proxy: ProxyFactory, mcp_too
     assert mcp_tool.executions[who] == 1
 
 
+def test_the_servers_priming_event_reaches_no_caller(make_proxy: ProxyFactory) -> None:
+    """A resumable server (2025-11-25) opens each SSE answer with an event that has an id
+    and empty data: not a message. Neither the first caller nor a replay gets it as an
+    ``event: message`` with empty data."""
+    tool = McpTool(json_response=False, resumable=True).start()
+    try:
+        proxy = through(make_proxy, tool)
+        direct, answers = _two_calls(tool.url + "/mcp"), _two_calls(proxy.url + "/mcp")
+    finally:
+        tool.stop()
+    assert b"\ndata: \n" in b"\n" + direct[0].replace(b"\r\n", b"\n")  # the server sends one
+    for answer in answers:
+        events = answer.replace(b"\r\n", b"\n").split(b"\n\n")
+        assert all(b"data: " in e and not e.endswith(b"data: ") for e in events if e), answer
+        assert b'"result"' in answer
+
+
+def _two_calls(url: str) -> list[bytes]:
+    """A guarded call and its replay, both over SSE, their raw bodies."""
+    arguments = {"account": account(), "cents": 3}
+    call = {"name": "charge", "arguments": arguments}
+    call["_meta"] = {"idempotencyKey": new_key(arguments)}
+    sse = "text/event-stream, application/json;q=0.9"
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, url, sse).open("2025-11-25")
+        message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}
+        return [raw.post({**message, "id": n}).content for n in (1, 2)]
+
+
 def test_a_key_sent_again_with_other_arguments_is_refused(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
@@ -421,6 +450,42 @@ def test_a_body_that_cannot_be_guarded_is_a_json_rpc_error(
     assert answer.status_code == (200 if code == -32602 else 400)
     assert answer.json()["error"]["code"] == code
     assert answer.json()["jsonrpc"] == "2.0"
+
+
+@pytest.mark.parametrize(
+    ("body", "id"),
+    [
+        (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": %s, "method": "ping"}', 7),
+        (b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": %s, "id": 8}', None),
+        (
+            b'{"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {"name": "charge", '
+            b'"arguments": {"account": "%s", "cents": 1, "cents": 2}}}',
+            7,
+        ),
+        (
+            b'[{"jsonrpc": "2.0", "id": 7, "method": "ping", "method": "tools/call", '
+            b'"params": %s}]',
+            None,
+        ),
+    ],
+)
+def test_a_message_that_repeats_a_member_name_is_refused_and_not_sent(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, body: bytes, id: int | None
+) -> None:
+    """Read as the last ``method`` by the proxy, perhaps as the first by the server: an
+    unguarded call. One reading, as on HTTP routes (duplicate-json-member)."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    params = json.dumps({"name": "charge", "arguments": {"account": who, "cents": 1}})
+    filled = body % (who.encode() if b"cents" in body else params.encode())
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = http.post(raw.url, content=filled, headers=raw.headers)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    assert (error["id"], error["error"]["code"]) == (id, -32600)
+    assert error["error"]["data"]["type"] == "urn:tool-proxy:problem:duplicate-json-member"
+    assert mcp_tool.executions[who] == 0
 
 
 def test_a_cancellation_of_another_request_is_forwarded(
@@ -1061,6 +1126,54 @@ def test_a_slow_first_caller_loses_progress_past_the_held_events_never_requests(
     assert b"elicitation/create" in frames[-2]
     final = json.loads(frames[-1].removeprefix(b"event: message\ndata: "))
     assert final["id"] == 7 and final["error"]["code"] == mcp.OUTCOME_UNKNOWN
+
+
+async def _held_frames(messages: list[bytes]) -> tuple[list[bytes], mcp.Progress]:
+    """The frames a first caller gets that starts reading only after ``messages`` (and
+    the call's end)."""
+    progress = mcp.Progress()
+
+    async def attempt() -> mcp.Attempt:
+        return OutcomeUnknown("the upstream did not answer in time", status=504)
+
+    run = asyncio.get_running_loop().create_task(attempt())
+    for message in messages:
+        progress.event(message)
+    await run
+    response = progress.response(run, 7, "text/event-stream", "s-1", "key")
+    assert isinstance(response, StreamingResponse)
+    return [bytes(chunk) async for chunk in response.body_iterator], progress  # type: ignore[arg-type]
+
+
+def _final(frames: list[bytes]) -> Any:
+    return json.loads(frames[-1].removeprefix(b"event: message\ndata: "))
+
+
+@pytest.mark.parametrize(
+    ("count", "size"), [(mcp.MAX_HELD_MESSAGES + 1, 10), (9, mcp.MAX_HELD_BYTES // 8)]
+)
+def test_a_first_caller_too_far_behind_is_cut_off_past_the_held_bounds(
+    count: int, size: int
+) -> None:
+    """Log lines and requests of the server are held for a slow caller up to
+    MAX_HELD_MESSAGES and MAX_HELD_BYTES; past them its stream is cut off (nothing more
+    is held) and ends with "in progress": the same call under the same key gets the
+    result."""
+    log = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"%s"}}'
+    frames, progress = asyncio.run(_held_frames([log % (b"x" * size)] * count))
+    assert len(frames) == 1
+    final = _final(frames)
+    assert final["id"] == 7 and final["error"]["code"] == mcp.IN_PROGRESS
+    assert "fell too far behind" in final["error"]["data"]["detail"]
+    progress.event(log % b"late")  # after the cut: dropped, never held
+    assert progress.held == 0
+
+
+def test_progress_past_the_held_bytes_is_dropped_without_a_cut() -> None:
+    note = b'{"jsonrpc":"2.0","method":"notifications/progress","params":{"m":"%s"}}'
+    frames, _ = asyncio.run(_held_frames([note % (b"p" * (mcp.MAX_HELD_BYTES // 4))] * 6))
+    assert len(frames) == 4  # three held, then the result
+    assert _final(frames)["error"]["code"] == mcp.OUTCOME_UNKNOWN
 
 
 def test_a_first_caller_that_leaves_its_stream_does_not_stop_the_call(

@@ -513,6 +513,26 @@ def test_forwarding_is_transparent(tool: CountingTool, make_proxy: ProxyFactory)
     assert headers["host"] == tool.url.removeprefix("http://")
 
 
+@pytest.mark.parametrize("policies", [False, True])
+def test_a_request_without_a_body_gets_no_content_length_added(
+    tool: CountingTool, make_proxy: ProxyFactory, policies: bool
+) -> None:
+    """A GET or HEAD without a body reaches the tool as it was sent: no
+    ``Content-Length: 0`` (RFC 9110 8.6: a request without content should not send one);
+    an empty POST keeps its ``Content-Length: 0``. Through a plain route, and one whose
+    policies read the body whole (a rate limit)."""
+    spec = route(tool.url, guarded=False)
+    if policies:
+        spec["limits"] = [{"name": "all", "rate": "100/1m"}]
+    proxy = make_proxy(spec)
+    for method in ("GET", "HEAD"):
+        assert httpx.request(method, f"{proxy.url}/tools/x").status_code == 200
+        assert "content-length" not in tool.requests[-1]["headers"], method
+        assert "transfer-encoding" not in tool.requests[-1]["headers"], method
+    assert httpx.post(f"{proxy.url}/tools/x", content=b"").status_code == 200
+    assert tool.requests[-1]["headers"]["content-length"] == "0"
+
+
 def test_longest_prefix_wins(tool: CountingTool, make_proxy: ProxyFactory) -> None:
     proxy = make_proxy(
         route(tool.url, name="root", prefix="/", guarded=False),

@@ -149,6 +149,25 @@ def test_a_request_without_its_lock_key_is_a_400_naming_it(
     assert tool.total == 0
 
 
+def test_a_lock_keyed_by_a_header_refuses_its_repeated_lines_and_frees_the_key(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(locked(tool.url, guarded=True, key="header:X-Account"))
+    body = {"account": "A", "amount": 5}
+    key = new_key(body)
+    sent = [("content-type", "application/json"), ("idempotency-key", key)]
+    twice = [*sent, ("x-account", "A"), ("x-account", "B")]
+    url = proxy.url + "/tools/debit"
+    refused = httpx.post(url, content=json.dumps(body), headers=twice)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["type"] == "urn:tool-proxy:problem:invalid-header"
+    assert "x-account" in refused.json()["detail"]
+    assert tool.total == 0
+    once = httpx.post(url, content=json.dumps(body), headers=[*sent, ("x-account", "A")])
+    assert once.status_code == 200, once.text  # the key was not left claimed
+    assert tool.total == 1
+
+
 def test_a_streamed_answer_holds_the_lock_until_its_end(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

@@ -38,6 +38,7 @@ from proxy.background import TaskSet
 from proxy.config import LimitConfig, PauseScope, RouteConfig, StoreDown
 from proxy.errors import (
     NOT_SENT,
+    InvalidHeader,
     LimitsUnavailable,
     RateLimited,
     StoreUnavailable,
@@ -463,10 +464,19 @@ class Settled(UpstreamResponse):
 
 
 def header_value(context: Context, name: bytes) -> str:
+    """The value of header ``name`` (lower case), "" if absent; ``InvalidHeader`` if it
+    comes on more than one line: the proxy would key by one, the tool perhaps join them
+    (RFC 9110 5.3), and two requests for one resource would hold two locks."""
+    found: bytes | None = None
     for key, value in context.request.scope["headers"]:
         if key == name:
-            return str(value.decode("latin-1"))
-    return ""
+            if found is not None:
+                field = name.decode("latin-1")
+                raise InvalidHeader(
+                    f"{field} is sent more than once; route {context.route.name} keys by it"
+                )
+            found = value
+    return "" if found is None else found.decode("latin-1")
 
 
 def pointed(body: bytes, pointer: str) -> Any:
