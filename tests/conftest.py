@@ -15,7 +15,8 @@ import redis
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
-from proxy.store import Store, make_store
+from proxy.store import Store, make_store, memory, sqlite
+from proxy.store import redis as redis_store
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SQLiteStore
@@ -28,6 +29,16 @@ ProxyFactory = Callable[..., ThreadServer]
 # credentials are sealed with it; replicas started as processes inherit it.
 SEALING_ENV = "TEST_SEALING_KEY"
 os.environ.setdefault(SEALING_ENV, base64.b64encode(b"k" * 32).decode())
+
+
+@pytest.fixture(autouse=True)
+def counters_from_zero(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scopes' counters of fencing tokens and versions start at 0 in the tests' own
+    process, so their numbers read 1, 2, 3 (the stores start them at the clock, in
+    microseconds: ``locks.counter_start``); ``@pytest.mark.real_counters`` keeps that."""
+    if request.node.get_closest_marker("real_counters") is None:
+        for module in (memory, sqlite, redis_store):
+            monkeypatch.setattr(module, "counter_start", lambda: 0)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ own clock, so there ``later`` sleeps (the leases are a few hundred milliseconds)
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -181,3 +182,18 @@ async def test_the_sweep_drops_lapsed_locks_and_keeps_their_counters(
     await opened.sweep()
     assert stored_entries(opened, "locks") == 0
     assert (await locks.acquire(SCOPE, f"{KEY}0", "b", TTL)).token == 6  # the counter stayed
+
+
+@pytest.mark.real_counters
+async def test_a_new_scopes_counter_starts_at_the_clock_above_what_was_given_before(
+    locks: Locks,
+) -> None:
+    """A scope's counter starts at the clock in microseconds: after an upgrade from one
+    counter per resource (small numbers), or a store that lost its counters, no token or
+    version repeats one given before, so no stale If-Match matches again."""
+    before = int(time.time() * 1_000_000)
+    token = (await locks.acquire(SCOPE, KEY, "a", TTL)).token
+    version = await locks.version(SCOPE, "other", TTL)
+    assert token is not None and token > before
+    assert version == Version(token + 1, False)
+    assert token < 2**53  # an integer every JSON reader takes exactly

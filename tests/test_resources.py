@@ -385,6 +385,8 @@ def test_a_killed_holder_frees_the_lock_after_its_ttl_and_the_next_token_is_larg
     two_proxies: list[ProxyProcess], tool: CountingTool
 ) -> None:
     a, b = two_proxies
+    assert debit(a.url, "B").status_code == 200  # processes: counters start at the clock
+    base = int(tool.requests[-1]["headers"]["fencing-token"])
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = pool.submit(debit, a.url, "A", "?delay=5")
         wait_for(lambda: tool.in_flight == 1, what="the holder at the tool")
@@ -397,7 +399,7 @@ def test_a_killed_holder_frees_the_lock_after_its_ttl_and_the_next_token_is_larg
     waited = time.monotonic() - killed
     assert answer.status_code == 200, answer.text
     assert 0.3 < waited < 2.0  # the ttl (1 s) after the holder's last renewal, not its 5 s
-    assert int(tool.requests[-1]["headers"]["fencing-token"]) == 2
+    assert int(tool.requests[-1]["headers"]["fencing-token"]) == base + 2  # the holder's + 1
 
 
 def test_a_lock_is_renewed_while_its_call_runs_past_its_ttl(
@@ -433,14 +435,15 @@ def test_a_waiter_on_another_replica_past_wait_gets_409(
 def test_two_agents_writing_version_1_across_replicas_one_wins_one_gets_412(
     two_proxies: list[ProxyProcess], tool: CountingTool
 ) -> None:
-    a, b = two_proxies
-    assert put(a.url, if_none_match="*").headers["etag"] == '"2"'  # 1: the fresh one
+    a, b = two_proxies  # processes: their counters start at the clock, in microseconds
+    etag = put(a.url, if_none_match="*").headers["etag"]
     read = [httpx.get(p.url + "/tools/s1").headers["etag"] for p in (a, b)]
-    assert read == ['"2"', '"2"']
+    assert read == [etag, etag]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda p: put(p.url, if_match='"2"', query="?delay=0.3"), (a, b)))
+        answers = list(pool.map(lambda p: put(p.url, if_match=etag, query="?delay=0.3"), (a, b)))
     assert sorted(r.status_code for r in answers) == [200, 412]
-    assert {r.headers["etag"] for r in answers} == {'"3"'}
+    (after,) = {r.headers["etag"] for r in answers}
+    assert int(after.strip('"')) == int(etag.strip('"')) + 1
     assert len([r for r in tool.requests if r["method"] == "PUT"]) == 2  # the first, one more
 
 

@@ -9,7 +9,10 @@ Every key lives in a *scope* (a route). Each scope has one counter, which only g
 never expires; fencing tokens and version numbers are both drawn from it. So the state
 kept per resource (a caller-chosen value) can expire, and a resource forgotten is given a
 fresh number larger than every one given before in its scope: no stale token or ETag
-matches it again.
+matches it again. A counter starts at the clock in microseconds (``counter_start``) when
+it is absent, new or lost with its store: its numbers are larger than those an earlier
+release (one counter per resource) or a store that lost its data gave, unless a scope
+drew more than a million a second on average.
 
 A lock is a lease: one owner at a time, until its ``ttl`` ends (renewed by its owner
 while the call runs), so a replica that dies frees its locks when they lapse. Every
@@ -32,8 +35,14 @@ means the write may have happened, so the next ``begin`` draws a fresh number, a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
+
+
+def counter_start() -> int:
+    """Where a scope's counter starts: the wall clock in microseconds."""
+    return int(time.time() * 1_000_000)
 
 
 @dataclass(frozen=True, slots=True)

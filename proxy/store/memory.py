@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant, Version
+from proxy.store.locks import Grant, Version, counter_start
 from proxy.store.queue import Job, JobState
 
 K = TypeVar("K")
@@ -378,7 +378,7 @@ class MemoryLocks:
         self._versions: dict[tuple[str, str], _Versioned] = {}
 
     def _draw(self, scope: str) -> int:
-        self._counters[scope] = self._counters.get(scope, 0) + 1
+        self._counters[scope] = self._counters.get(scope, counter_start()) + 1
         return self._counters[scope]
 
     def _holder(self, scope: str, key: str, now: float) -> _Held | None:

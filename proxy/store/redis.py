@@ -52,7 +52,7 @@ from redis.retry import Retry
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
-from proxy.store.locks import Grant, Version
+from proxy.store.locks import Grant, Version, counter_start
 from proxy.store.queue import Job, JobState
 
 KEY_PREFIX = "tp:"
@@ -858,21 +858,36 @@ class RedisBuckets:
         await self._store._script(_PAUSE, [limit_key(group, "pause", scope)], _fms(seconds))
 
 
-# KEYS: lock, the scope's counter. ARGV: owner, ttl (ms). Returns {token, 0} when taken
-# (or already held by the owner: its token), {0, pttl} when another owner holds it.
-_ACQUIRE_LOCK = """
+# A scope's counter of fencing tokens and versions (KEYS[2]), started where the last
+# argument says (``locks.counter_start``: the clock in microseconds) when it is absent
+# (new, or lost with its Redis): a token or version never repeats one given before.
+_DRAW_LIB = """
+local function draw()
+  if redis.call('EXISTS', KEYS[2]) == 0 then
+    redis.call('SET', KEYS[2], ARGV[#ARGV])
+  end
+  return redis.call('INCR', KEYS[2])
+end
+"""
+
+# KEYS: lock, the scope's counter. ARGV: owner, ttl (ms), counter start. Returns {token, 0}
+# when taken (or already held by the owner: its token), {0, pttl} when another holds it.
+_ACQUIRE_LOCK = (
+    _DRAW_LIB
+    + """
 local r = redis.call('HMGET', KEYS[1], 'ow', 'tk')
 if r[1] and r[1] ~= ARGV[1] then
   return {0, redis.call('PTTL', KEYS[1])}
 end
 local token = r[2]
 if not r[1] then
-  token = redis.call('INCR', KEYS[2])
+  token = draw()
   redis.call('HSET', KEYS[1], 'ow', ARGV[1], 'tk', token)
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {tonumber(token), 0}
 """
+)
 
 # KEYS: lock. ARGV: owner, ttl (ms). 1 if the owner held it (now extended).
 _RENEW_LOCK = """
@@ -892,11 +907,13 @@ return 0
 
 # A version is a hash: n (number), w (1: set by a write), p (the owner of a write sent
 # and not settled, or ''). ``entry`` reads it, or makes a fresh unwritten one.
-_VERSION_LIB = """
+_VERSION_LIB = (
+    _DRAW_LIB
+    + """
 local function entry()
   local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
   if r[1] then return r end
-  return {redis.call('INCR', KEYS[2]), '0', ''}
+  return {draw(), '0', ''}
 end
 local function keep(n, w, p, ttl)
   redis.call('HSET', KEYS[1], 'n', n, 'w', w, 'p', p)
@@ -904,8 +921,9 @@ local function keep(n, w, p, ttl)
   return {tonumber(n), tonumber(w)}
 end
 """
+)
 
-# KEYS: version, the scope's counter. ARGV: ttl (ms). Returns {number, written}.
+# KEYS: version, the scope's counter. ARGV: ttl (ms), counter start. {number, written}.
 _READ_VERSION = (
     _VERSION_LIB
     + """
@@ -914,28 +932,28 @@ return keep(r[1], r[2], r[3], ARGV[1])
 """
 )
 
-# KEYS: version, the scope's counter. ARGV: owner, ttl (ms). Returns {number, written}:
+# KEYS: version, the scope's counter. ARGV: owner, ttl (ms), counter start. {number, written}:
 # another owner's mark left unsettled gives a fresh written number (it may have written).
 _BEGIN_WRITE = (
     _VERSION_LIB
     + """
 local r = entry()
 if r[3] ~= '' and r[3] ~= ARGV[1] then
-  r = {redis.call('INCR', KEYS[2]), '1'}
+  r = {draw(), '1'}
 end
 return keep(r[1], r[2], ARGV[1], ARGV[2])
 """
 )
 
-# KEYS: version, the scope's counter. ARGV: owner, wrote (0/1), ttl (ms). The number
-# after it, or nil if the owner's mark is not there (settled already).
+# KEYS: version, the scope's counter. ARGV: owner, wrote (0/1), ttl (ms), counter start.
+# The number after it, or nil if the owner's mark is not there (settled already).
 _SETTLE_WRITE = (
     _VERSION_LIB
     + """
 local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
 if r[3] ~= ARGV[1] then return nil end
 if ARGV[2] == '1' then
-  r = {redis.call('INCR', KEYS[2]), '1'}
+  r = {draw(), '1'}
 end
 return keep(r[1], r[2], '', ARGV[3])[1]
 """
@@ -973,7 +991,7 @@ class RedisLocks:
 
     async def acquire(self, scope: str, key: str, owner: str, ttl: float) -> Grant:
         keys = resource_keys(scope, "l", key)
-        reply = await self._store._script(_ACQUIRE_LOCK, keys, owner, _ms(ttl))
+        reply = await self._store._script(_ACQUIRE_LOCK, keys, owner, _ms(ttl), counter_start())
         try:
             token, pttl = int(reply[0]), int(reply[1])
         except (ValueError, TypeError, IndexError) as exc:
@@ -990,15 +1008,21 @@ class RedisLocks:
 
     async def version(self, scope: str, key: str, ttl: float) -> Version:
         keys = resource_keys(scope, "v", key)
-        return _version(key, await self._store._script(_READ_VERSION, keys, _ms(ttl)))
+        return _version(
+            key, await self._store._script(_READ_VERSION, keys, _ms(ttl), counter_start())
+        )
 
     async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
         keys = resource_keys(scope, "v", key)
-        return _version(key, await self._store._script(_BEGIN_WRITE, keys, owner, _ms(ttl)))
+        start = counter_start()
+        reply = await self._store._script(_BEGIN_WRITE, keys, owner, _ms(ttl), start)
+        return _version(key, reply)
 
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         keys = resource_keys(scope, "v", key)
-        reply = await self._store._script(_SETTLE_WRITE, keys, owner, int(wrote), _ms(ttl))
+        reply = await self._store._script(
+            _SETTLE_WRITE, keys, owner, int(wrote), _ms(ttl), counter_start()
+        )
         return None if reply is None else int(reply)
 
 

@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant, Version
+from proxy.store.locks import Grant, Version, counter_start
 from proxy.store.queue import Job, JobState
 
 T = TypeVar("T")
@@ -708,11 +708,11 @@ def _create_locks(db: sqlite3.Connection, now: float) -> None:
 
 
 def _draw(db: sqlite3.Connection, scope: str) -> int:
-    """The next value of ``scope``'s counter."""
+    """The next value of ``scope``'s counter, started at the clock (``counter_start``)."""
     row = db.execute(
-        "INSERT INTO resource_counters (kind, key, n) VALUES ('scope', ?, 1)"
+        "INSERT INTO resource_counters (kind, key, n) VALUES ('scope', ?, ?)"
         " ON CONFLICT (kind, key) DO UPDATE SET n = n + 1 RETURNING n",
-        (scope,),
+        (scope, counter_start() + 1),
     ).fetchone()
     return int(row[0])
 
