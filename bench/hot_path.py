@@ -81,6 +81,7 @@ class CannedUpstream(forwarding.Upstream):
         seconds: float,
         *,
         at_most_once: bool = False,
+        connect_within: float | None = None,
     ) -> forwarding.UpstreamResponse:
         return CannedResponse(200, forwarding.response_headers(UPSTREAM_HEADERS), len(ANSWER))
 

@@ -358,7 +358,7 @@ class Proxy:
         chain = self.chains.get(route.name)
         if chain is None:
             return forward, None
-        context = Context(route, request, body, principal, identity)  # around the send
+        context = Context(route, request, body, principal, identity, fence=fence)  # after a claim
         return chain.wrap(context, forward), context
 
     def forwarder(
@@ -467,8 +467,9 @@ class Proxy:
     ) -> Awaitable[UpstreamResponse]:
         """The upstream exchange (not a coroutine itself: one frame less per await); a
         guarded call's only if its ``fence`` lets it, and never sent twice by the client."""
-        if fence is not None:
-            fence.check()  # after every wait of the policies: the lease is still ours
+        within = None
+        if fence is not None:  # after every wait of the policies: the lease is still ours,
+            within = fence.check()  # and a connection not had while it lasts is none
         scope = request.scope
         client = scope.get("client")
         headers = request_headers(
@@ -480,7 +481,13 @@ class Proxy:
         )
         url = upstream_url(route, _raw_path(scope), scope["query_string"])
         return self.upstream.send(
-            request.method, url, headers, body, route.timeout, at_most_once=fence is not None
+            request.method,
+            url,
+            headers,
+            body,
+            route.timeout,
+            at_most_once=fence is not None,
+            connect_within=within,
         )
 
     async def pass_through(self, request: Incoming, route: RouteConfig) -> Response:
@@ -546,7 +553,9 @@ class McpExchange:
         chain = proxy.chains.get(route.name) if policies else None
         if chain is None:  # initialize, tools/list, notifications, streams: no policy
             return send()
-        self.context = Context(route, request, body, self.principal, self.identity, call=call)
+        self.context = Context(
+            route, request, body, self.principal, self.identity, call=call, fence=fence
+        )
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:

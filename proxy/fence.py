@@ -5,7 +5,8 @@ Between the claim and the send the route's policies may wait far longer than the
 lasts: a resource lock, a rate limit, the cache's wait for an identical call, a
 downstream token fetch, the resend after a 401. So the lease is checked here, by the
 innermost send (``app.Proxy.sender``), right before the request is written, after every
-wait; a call whose lease lapsed or was taken over meanwhile is not sent (``LeaseLost``,
+wait, and the wait for an upstream connection is bounded by what is left of the lease; a
+call whose lease lapsed or was taken over meanwhile is not sent (``LeaseLost``,
 one of the "nothing sent" errors: the key is released by its owner only, so nothing is
 recorded or released over another attempt's record).
 
@@ -22,8 +23,9 @@ from proxy.errors import LeaseLost
 class Leased(Protocol):
     """What the fence checks: a lease that raises ``LeaseLost`` once it is not held."""
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless the lease is still this call's."""
+    def check(self) -> float:
+        """Raise ``LeaseLost`` unless the lease is still this call's; else how long it
+        lasts yet (seconds)."""
 
 
 class Fence:
@@ -37,8 +39,10 @@ class Fence:
     def arm(self, lease: Leased) -> None:
         self.lease = lease
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless the call may be sent now."""
+    def check(self) -> float:
+        """Raise ``LeaseLost`` unless the call may be sent now; else how long the lease
+        lasts yet: the send must have its connection within it (a wait for a pooled or
+        new connection is a wait too), or it is not sent."""
         if self.lease is None:  # never sent without a claim
             raise LeaseLost("the call was not claimed before it was sent: it was not sent")
-        self.lease.check()
+        return self.lease.check()

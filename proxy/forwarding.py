@@ -193,13 +193,16 @@ def _translated() -> Iterator[None]:
 
 
 @functools.lru_cache(maxsize=64)
-def _timeout(seconds: float) -> aiohttp.ClientTimeout:
+def _timeout(seconds: float, connect_within: float | None = None) -> aiohttp.ClientTimeout:
     """``total`` bounds the whole exchange; ``connect`` bounds getting a connection (a free
     one from the pool, or DNS and a new one) and ends strictly first, so running out of
     time before anything was sent is a ``ConnectionTimeoutError`` (the key is released)
     and never a plain timeout (FAILED). No rounding up to whole seconds, which could make
-    the two end together."""
+    the two end together. ``connect_within`` bounds getting a connection further (a
+    guarded call's lease: what is left of it)."""
     connect = min(seconds * CONNECT_SHARE, CONNECT_TIMEOUT)
+    if connect_within is not None:
+        connect = min(connect, connect_within)
     return aiohttp.ClientTimeout(
         total=seconds, connect=connect, sock_connect=connect, ceil_threshold=math.inf
     )
@@ -244,16 +247,19 @@ class Upstream:
         seconds: float,
         *,
         at_most_once: bool = False,
+        connect_within: float | None = None,
     ) -> UpstreamResponse:
         """Send a request and wait for the headers; the exchange must end within ``seconds``.
 
         ``at_most_once``: never send it a second time, whatever happens to the connection.
+        ``connect_within``: not sent at all (``UpstreamUnreachable``) unless a connection
+        is had within that many seconds (a guarded call's lease).
         An empty ``body`` is sent as none: a GET, HEAD or OPTIONS without one gets no
         ``Content-Length: 0`` (RFC 9110 8.6); aiohttp still adds it to other methods.
         """
         session = self._once if at_most_once else self._session
         assert session is not None, "Upstream.start() was not awaited"
-        client_timeout = _timeout(seconds)
+        client_timeout = _timeout(seconds, connect_within)
         with _translated():
             response = await session.request(
                 method,

@@ -230,10 +230,11 @@ class Lease:
         self.lost = False
         """Set by a renewal that found the record no longer this lease's."""
 
-    def check(self) -> None:
+    def check(self) -> float:
         """Raise ``LeaseLost`` unless the call may still be sent under this lease (the
         fence, ``fence.py``): not if a renewal found it taken over, nor once it may have
-        lapsed (this process stalled, or could not renew it, for most of lock_ttl)."""
+        lapsed (this process stalled, or could not renew it, for most of lock_ttl); else
+        how long it lasts yet, as far as this process knows (seconds)."""
         if self.lost:
             self._leases.lapsed(self, "taken_over")
             raise LeaseLost(
@@ -241,12 +242,14 @@ class Lease:
                 "to be sent (its lease lapsed): it was not sent; a retry replays the other "
                 "attempt's outcome"
             )
-        if asyncio.get_running_loop().time() > self.valid_until:
+        left = self.valid_until - asyncio.get_running_loop().time()
+        if left <= 0:
             self._leases.lapsed(self, "lapsed")
             raise LeaseLost(
                 "this call waited to be sent (a lock, a limit, a token, a stall) longer "
                 "than its lease could be kept (lock_ttl): it was not sent; retry it"
             )
+        return left
 
     def stop(self) -> None:
         """No more renewals."""

@@ -23,7 +23,8 @@ from proxy.app import create_app
 from proxy.asgi import Incoming
 from proxy.background import TaskSet
 from proxy.config import parse_config
-from proxy.errors import ConfigError, OutcomeUnknown, StoreUnavailable
+from proxy.errors import ConfigError, LeaseLost, OutcomeUnknown, StoreUnavailable
+from proxy.fence import Fence
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.outcome import StoredResponse
@@ -919,3 +920,34 @@ def test_a_streamed_answer_is_stored_whole_or_its_break_reaches_the_caller(broke
     else:
         assert got == [b'{"ok":', b"true}"] and error is None
         assert value is not None and decode_entry(value)[2].body == b'{"ok":true}'
+
+
+def test_a_hit_for_a_call_whose_lease_was_lost_is_not_its_answer() -> None:
+    """A guarded call answered from the cache after a wait that outlived its lease (a
+    retry took its key over meanwhile) is refused as not sent: its key replays the other
+    attempt's answer, so this caller must not be told another one."""
+
+    class Lost:
+        def check(self) -> float:
+            raise LeaseLost("taken over")
+
+    async def run() -> None:
+        cache, tasks = policy(MemoryStore())
+
+        async def forward() -> UpstreamResponse:
+            return Answer()
+
+        filled = await cache.wrap(context_of(), forward)()
+        assert await filled.read() == b'{"ok":true}'
+        assert await tasks.drain(5)
+        fence = Fence()
+        fence.arm(Lost())
+        lost = context_of()
+        lost.fence = fence
+        with pytest.raises(LeaseLost):
+            await cache.wrap(lost, forward)()
+        live = context_of()  # without a fence (or with a live lease): the hit
+        assert await (await cache.wrap(live, forward)()).read() == b'{"ok":true}'
+        assert live.cached
+
+    asyncio.run(run())

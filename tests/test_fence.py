@@ -9,7 +9,10 @@ retry through the second replica takes the key over and executes it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -126,3 +129,49 @@ def test_a_lock_wait_that_outlasts_the_lease_never_sends_a_second_execution(
     replay = post(second, waiter, key)  # what the retry executed is the key's outcome
     assert replay.headers.get("idempotent-replayed") == "true"
     assert replay.json()["key"] == key and tool.executions[key] == 1
+
+
+@pytest.fixture
+def unanswered() -> Iterator[str]:
+    """An upstream whose listen queue is full: a new connection waits (its SYN dropped)
+    until a connect timeout, as behind a saturated tool or pool."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    yield f"http://127.0.0.1:{port}"
+    for sock in [*fillers, listener]:
+        sock.close()
+
+
+def test_the_wait_for_a_connection_is_bounded_by_the_lease(
+    make_proxy: ProxyFactory, unanswered: str
+) -> None:
+    """Past the fence a call may still wait for an upstream connection: that wait ends
+    with what is left of the lease (not the route's 9 s connect timeout), nothing sent."""
+    spec = {
+        "name": "charge",
+        "path_prefix": "/tools",
+        "upstream": unanswered,
+        "timeout": "10s",
+        "idempotency": {"lock_ttl": "1s", "result_ttl": "1h"},
+    }
+    proxy = make_proxy(spec)
+    body = {"account": "acme"}
+    started = time.monotonic()
+    answer = httpx.post(
+        f"{proxy.url}/tools/charge",
+        json=body,
+        headers={"Idempotency-Key": new_key(body)},
+        timeout=30,
+    )
+    assert answer.status_code == 502, answer.text
+    assert answer.json()["type"] == "urn:tool-proxy:problem:upstream-unreachable"
+    assert time.monotonic() - started < 4  # lock_ttl, not CONNECT_TIMEOUT

@@ -351,11 +351,14 @@ class Cache:
                 return await forward()
 
             try:
-                return await self._cached(context, send)
+                answer = await self._cached(context, send)
             except Exception as exc:
                 if sent:  # the tool's (or the send's) own error: the Guard's to judge
                     raise
                 return await self._failed(context, forward, exc)
+            if not sent and context.fence is not None:  # a hit, after a wait perhaps:
+                context.fence.check()  # a key taken over meanwhile replays another answer
+            return answer
 
         return cached
 
