@@ -10,10 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-
-from tests.conftest import ProxyFactory, route
-from tests.servers import CountingTool, free_port
-from tests.test_jobs import long_route
 from tool_proxy_client import (
     Answer,
     AsyncToolProxy,
@@ -34,6 +30,10 @@ from tool_proxy_client.errors import (
     RouteNotFound,
     problem_class,
 )
+
+from tests.conftest import ProxyFactory, route
+from tests.servers import CountingTool, free_port
+from tests.test_jobs import long_route
 
 ARGS = {"account": "acme", "amount": 42}
 
@@ -227,11 +227,14 @@ def test_the_async_client(tool: CountingTool, make_proxy: ProxyFactory) -> None:
 
     async def scenario() -> tuple[Answer, Answer, Answer, list[dict[str, Any]]]:
         async with AsyncToolProxy(proxy.url) as client:
+
+            async def duplicate() -> Answer:
+                await asyncio.sleep(0.3)
+                return await client.call(steps.step(1), "/tools/a?delay=1", ARGS)
+
             first, waited = await asyncio.gather(
-                client.call(steps.step(1), "/tools/a?delay=1", ARGS),
-                asyncio.sleep(0.3, client.call(steps.step(1), "/tools/a?delay=1", ARGS)),
+                client.call(steps.step(1), "/tools/a?delay=1", ARGS), duplicate()
             )
-            waited = await waited
             long = await client.call(steps.step(2), "/tools/b?delay=0.5", ARGS, respond_async=True)
             return first, waited, long, await client.steps(steps.id)
 

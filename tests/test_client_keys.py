@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import rfc8785
+from tool_proxy_client import InvalidKey, PlanSession, args_hash, body_hash, canonical_json
+from tool_proxy_client import composite_key as client_key
 
 from proxy.keys import composite_key as proxy_key
 from tests.test_keys import _CHARS
 from tests.vectors import key_vectors
-from tool_proxy_client import InvalidKey, PlanSession, args_hash, body_hash, canonical_json
-from tool_proxy_client import composite_key as client_key
 
 
 @pytest.mark.parametrize("vector", key_vectors()["vectors"], ids=lambda v: v["canonical"][:40])
@@ -38,7 +38,11 @@ def _value(depth: int, rng: random.Random) -> Any:
         return rng.randint(-(2**53) + 1, 2**53 - 1)
     if kind == 2:
         return rng.choice(
-            [rng.random(), rng.uniform(-1e307, 1e307), rng.random() * 10.0 ** rng.randint(-300, 300)]
+            [
+                rng.random(),
+                rng.uniform(-1e307, 1e307),
+                rng.random() * 10.0 ** rng.randint(-300, 300),
+            ]
         )
     if kind in (3, 4):
         return "".join(rng.choice(_CHARS) for _ in range(rng.randrange(6)))

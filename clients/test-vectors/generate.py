@@ -1,6 +1,6 @@
 """Write keys.json from the proxy's own key function (run after a change to the cases):
 
-    .venv/bin/python clients/test-vectors/generate.py
+.venv/bin/python clients/test-vectors/generate.py
 """
 
 from __future__ import annotations
@@ -25,14 +25,20 @@ CASES: list[tuple[str, int | str, Any]] = [
         "p",
         1,
         {
-            "numbers": [0, -0.0, 1, -1, 0.1, 0.000001, 1e-7, 123.456, 1e21, 1.5e300, -2.5e-300]
-            + [9007199254740991, -9007199254740991, 4.35, 0.1e1, 5e-324, 1.7976931348623157e308]
-            + [333333333.33333329, 0.30000000000000004, 1e-6]
+            "numbers": [
+                *(0, -0.0, 1, -1, 0.1, 0.000001, 1e-7, 123.456, 1e21, 1.5e300, -2.5e-300),
+                *(9007199254740991, -9007199254740991, 4.35, 0.1e1, 5e-324),
+                *(1.7976931348623157e308, 333333333.33333329, 0.30000000000000004, 1e-6),
+            ]
         },
     ),
     ("p", 1, {"escapes": '"\\/\b\f\n\r\t\u0000\u001f\u007f\u2028\u2029'}),
     ("p", 1, {"unicode": "中文 😀 \U0001d11e \ue000 é"}),
-    ("p", 1, {"€": 1, "\r": 2, "😀": 3, "\ufb33": 4, "1": 5, "10": 6, "a": 7, "A": 8, "é": 9, "": 10}),
+    (
+        "p",
+        1,
+        {"€": 1, "\r": 2, "😀": 3, "\ufb33": 4, "1": 5, "10": 6, "a": 7, "A": 8, "é": 9, "": 10},
+    ),
     ("p", 1, {"nested": {"z": [1, {"y": None, "x": [True, False]}], "a": {"c": {}, "b": []}}}),
     ("p", 99, {"repo": "tool-proxy", "pr": 12}),
 ]
@@ -66,7 +72,11 @@ def main() -> None:
         for plan, step, arguments in CASES
     ]
     bodies = [
-        {"body": body, "content_type": kind, "args_hash": fingerprint(body.encode(), kind, JCS, None)}
+        {
+            "body": body,
+            "content_type": kind,
+            "args_hash": fingerprint(body.encode(), kind, JCS, None),
+        }
         for body, kind in BODIES
     ]
     document = {"description": DESCRIPTION, "vectors": vectors, "bodies": bodies}

@@ -10,8 +10,8 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
 from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -65,7 +65,7 @@ class Waits:
         """Seconds to wait before attempt ``attempt + 1``."""
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.cap)
-        backoff = min(self.base * 2**attempt, self.cap)
+        backoff = min(self.base * 2.0**attempt, self.cap)
         return backoff / 2 + random.uniform(0, backoff / 2)
 
 
@@ -83,7 +83,7 @@ class Answer:
     def replayed(self) -> bool:
         """True if the proxy replayed a recorded answer (``Idempotent-Replayed: true``);
         a long call's result is always read from its record, so it says True too."""
-        return self.response.headers.get("idempotent-replayed", "").lower() == "true"
+        return str(self.response.headers.get("idempotent-replayed", "")).lower() == "true"
 
     @property
     def status_code(self) -> int:
@@ -227,7 +227,9 @@ def ended(operation: Operation, document: dict[str, Any]) -> ProxyProblem | None
     """The exception of an operation that ended without an answer (cancelled, dead)."""
     state = document.get("state")
     if state == "cancelled":
-        return OperationCancelled(_ending(document, "cancelled: never sent"), record=operation.record)
+        return OperationCancelled(
+            _ending(document, "cancelled: never sent"), record=operation.record
+        )
     if state == "dead":
         return OperationDead(_ending(document, "dead: nothing ran"), record=operation.record)
     return None

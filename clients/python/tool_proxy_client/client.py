@@ -179,7 +179,9 @@ class ToolProxy(_Base):
     ) -> Answer:
         """Call the tool at ``path`` as ``step`` of its plan (the key from ``json`` or
         ``content``; or an explicit ``key``); a 202 is followed to its result."""
-        request = _Request(method, self._url(path), step, json, content, headers, key, respond_async)
+        request = _Request(
+            method, self._url(path), step, json, content, headers, key, respond_async
+        )
         got = self._send(request)
         return self.follow(got, on_status) if isinstance(got, Operation) else got
 
@@ -196,8 +198,13 @@ class ToolProxy(_Base):
         the :class:`Operation`, or the answer itself if the call ended within ``wait``."""
         url = self._url(path)
         request = _Request(
-            options.pop("method", "POST"), url, step, json, options.pop("content", None),
-            options.pop("headers", None), options.pop("key", None),
+            options.pop("method", "POST"),
+            url,
+            step,
+            json,
+            options.pop("content", None),
+            options.pop("headers", None),
+            options.pop("key", None),
             True if wait is None else wait,
         )
         return self._send(request)
@@ -215,14 +222,17 @@ class ToolProxy(_Base):
                 got = _read(response, request)
                 if not isinstance(got, ProxyProblem):
                     return got
-                delay = self._retrying(got, attempt, time.monotonic() - started)
-                if delay is None:
+                retry = self._retrying(got, attempt, time.monotonic() - started)
+                if retry is None:
                     raise got
+                delay = retry
             time.sleep(delay)
             attempt += 1
 
     def _lost(self, exc: httpx.TransportError, attempt: int, spent: float) -> float:
-        delay = self._budget(self.waits.delay(attempt, None), spent) if self.waits.transport else None
+        delay = (
+            self._budget(self.waits.delay(attempt, None), spent) if self.waits.transport else None
+        )
         if delay is None:
             raise TransportError(f"no answer from the proxy: {exc!r}") from exc
         return delay
@@ -346,7 +356,9 @@ class AsyncToolProxy(_Base):
         on_status: StatusCallback | None = None,
     ) -> Answer:
         """As :meth:`ToolProxy.call`."""
-        request = _Request(method, self._url(path), step, json, content, headers, key, respond_async)
+        request = _Request(
+            method, self._url(path), step, json, content, headers, key, respond_async
+        )
         got = await self._send(request)
         return await self.follow(got, on_status) if isinstance(got, Operation) else got
 
@@ -361,8 +373,13 @@ class AsyncToolProxy(_Base):
     ) -> Answer | Operation:
         """As :meth:`ToolProxy.submit`."""
         request = _Request(
-            options.pop("method", "POST"), self._url(path), step, json,
-            options.pop("content", None), options.pop("headers", None), options.pop("key", None),
+            options.pop("method", "POST"),
+            self._url(path),
+            step,
+            json,
+            options.pop("content", None),
+            options.pop("headers", None),
+            options.pop("key", None),
             True if wait is None else wait,
         )
         return await self._send(request)
@@ -380,14 +397,17 @@ class AsyncToolProxy(_Base):
                 got = _read(response, request)
                 if not isinstance(got, ProxyProblem):
                     return got
-                delay = self._retrying(got, attempt, time.monotonic() - started)
-                if delay is None:
+                retry = self._retrying(got, attempt, time.monotonic() - started)
+                if retry is None:
                     raise got
+                delay = retry
             await asyncio.sleep(delay)
             attempt += 1
 
     def _lost(self, exc: httpx.TransportError, attempt: int, spent: float) -> float:
-        delay = self._budget(self.waits.delay(attempt, None), spent) if self.waits.transport else None
+        delay = (
+            self._budget(self.waits.delay(attempt, None), spent) if self.waits.transport else None
+        )
         if delay is None:
             raise TransportError(f"no answer from the proxy: {exc!r}") from exc
         return delay
@@ -413,7 +433,9 @@ class AsyncToolProxy(_Base):
             _still(op, deadline)
             await asyncio.sleep(min(retry_after(response) or 1.0, self.waits.cap))
 
-    async def _stream(self, op: Operation, deadline: float, on_status: StatusCallback | None) -> None:
+    async def _stream(
+        self, op: Operation, deadline: float, on_status: StatusCallback | None
+    ) -> None:
         parser = EventParser()
         while True:
             _still(op, deadline)
@@ -421,7 +443,9 @@ class AsyncToolProxy(_Base):
             if parser.last_id is not None:
                 headers["last-event-id"] = parser.last_id
             try:
-                async with self.http.stream("GET", self._url(op.location), headers=headers) as response:
+                async with self.http.stream(
+                    "GET", self._url(op.location), headers=headers
+                ) as response:
                     if response.status_code != 200 or "event-stream" not in response.headers.get(
                         "content-type", ""
                     ):
@@ -499,5 +523,3 @@ def _terminal(op: Operation, data: str, on_status: StatusCallback | None) -> boo
 def _still(op: Operation, deadline: float) -> None:
     if time.monotonic() > deadline:
         raise StillRunning(op)
-
-

@@ -56,7 +56,9 @@ class Step:
 
     def __post_init__(self) -> None:
         if not is_key_part(self.index):
-            raise InvalidKey(f"a step_index is 1..128 characters of [A-Za-z0-9._-], not {self.index!r}")
+            raise InvalidKey(
+                f"a step_index is 1..128 characters of [A-Za-z0-9._-], not {self.index!r}"
+            )
 
     def key(self, arguments: Any) -> str:
         """The Idempotency-Key of this step for ``arguments`` (a JSON-compatible value)."""
