@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 PROBLEM_BASE = "urn:tool-proxy:problem:"
 
@@ -470,7 +470,7 @@ def problem_class(problem_type: str) -> type[ProxyProblem]:
     return PROBLEMS.get(problem_type.removeprefix(PROBLEM_BASE), ProxyProblem)
 
 
-def is_proxy_problem(document: Any) -> bool:
+def is_proxy_problem(document: Any) -> TypeGuard[dict[str, Any]]:
     """True if ``document`` is a problem document of the proxy."""
     return isinstance(document, dict) and str(document.get("type", "")).startswith(PROBLEM_BASE)
 
