@@ -36,13 +36,10 @@ def test_the_typescript_client_against_a_real_proxy(
     assert npm is not None, "npm is not installed (node 20+ is needed for clients/typescript)"
     assert (CLIENT / "node_modules").is_dir(), "run scripts/install (npm ci in clients/typescript)"
     short = {**route(tool.url, name="short", prefix="/short"), "timeout": "300ms"}
-    proxy = make_proxy(
-        route(tool.url),
-        short,
-        long_route(tool.url) | {"name": "long", "path_prefix": "/long/"},
-        long_route(tool.url, workers={"concurrency": 1}) | {"name": "long1", "path_prefix": "/long1"},
-        mcp_route(mcp_tool.url),
-    )
+    long = {**long_route(tool.url), "name": "long", "path_prefix": "/long/"}
+    one_worker = long_route(tool.url, workers={"concurrency": 1})
+    long1 = {**one_worker, "name": "long1", "path_prefix": "/long1"}
+    proxy = make_proxy(route(tool.url), short, long, long1, mcp_route(mcp_tool.url))
     if _stale():
         subprocess.run([npm, "run", "build", "--silent"], cwd=CLIENT, check=True, timeout=120)
     done = subprocess.run(
