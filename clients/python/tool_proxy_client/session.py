@@ -9,6 +9,7 @@ an LLM's output (a ``tool_call_id`` is new on every replan).
 from __future__ import annotations
 
 import hashlib
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,11 @@ class PlanSession:
         """Step ``index`` of this plan, as the orchestrator numbers it."""
         return Step(self, str(index))
 
+    def counter(self, start: int = 1) -> StepCounter:
+        """Steps numbered in the order of the calls of one run of the plan (for frameworks
+        that call tools themselves): a run made again from its start numbers them alike."""
+        return StepCounter(self, start)
+
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -75,3 +81,24 @@ class Step:
     def sub(self, index: int | str) -> Step:
         """A step within this one (``3.1``, ``3.2``): several tool calls of one plan step."""
         return Step(self.plan, f"{self.index}.{index}")
+
+
+class StepCounter:
+    """Numbers the guarded tool calls of one run of a plan ``start``, ``start + 1``, ...
+
+    For agent frameworks that make the tool calls themselves: a run started again from its
+    beginning (a resumed graph, an agent loop replayed after a crash) makes its calls in the
+    same order, so the same call gets the same step and its recorded answer. Calls made in
+    parallel must be made in a fixed order for that to hold.
+    """
+
+    def __init__(self, plan: PlanSession, start: int = 1) -> None:
+        self.plan = plan
+        self._next = start
+        self._lock = threading.Lock()
+
+    def next(self) -> Step:
+        """The step of the next call."""
+        with self._lock:
+            index, self._next = self._next, self._next + 1
+        return self.plan.step(index)
