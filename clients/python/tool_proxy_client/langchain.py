@@ -13,8 +13,8 @@ raised as :mod:`tool_proxy_client.errors` classes.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from tool_proxy_client.errors import RecordIdentity
 from tool_proxy_client.mcp import problem_of_error
@@ -24,9 +24,16 @@ Handler = Callable[[Any], Awaitable[Any]]
 """The adapters' next handler: an ``MCPToolCallRequest`` to its result."""
 
 
+class Interceptor(Protocol):
+    """The adapters' ``ToolCallInterceptor``."""
+
+    async def __call__(self, request: Any, handler: Handler) -> Any:
+        """Handle one tool call (``request``), calling ``handler`` to make it."""
+
+
 def key_interceptor(
     steps: StepCounter | Callable[[Any], Step],
-) -> Callable[[Any, Handler], Coroutine[Any, Any, Any]]:
+) -> Interceptor:
     """An interceptor for ``MultiServerMCPClient(tool_interceptors=[...])``: ``steps`` is a
     counter, or a function of the ``MCPToolCallRequest`` (``runtime`` is LangGraph's) to a step."""
 
