@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from proxy.demo.tool import create_tool_app
 from tests.conftest import ProxyFactory, route
 from tests.mcp_servers import McpTool
-from tests.servers import CountingTool
+from tests.servers import CountingTool, ThreadServer
 from tests.test_jobs import long_route
 from tests.test_mcp import mcp_route
 
@@ -29,8 +30,15 @@ def mcp_tool() -> Iterator[McpTool]:
     tool.stop()
 
 
+@pytest.fixture
+def demo_tool() -> Iterator[ThreadServer]:
+    server = ThreadServer(create_tool_app()).start()
+    yield server
+    server.stop()
+
+
 def test_the_typescript_client_against_a_real_proxy(
-    tool: CountingTool, make_proxy: ProxyFactory, mcp_tool: McpTool
+    tool: CountingTool, make_proxy: ProxyFactory, mcp_tool: McpTool, demo_tool: ThreadServer
 ) -> None:
     npm = shutil.which("npm")
     assert npm is not None, "npm is not installed (node 20+ is needed for clients/typescript)"
@@ -39,7 +47,15 @@ def test_the_typescript_client_against_a_real_proxy(
     long = {**long_route(tool.url), "name": "long", "path_prefix": "/long/"}
     one_worker = long_route(tool.url, workers={"concurrency": 1})
     long1 = {**one_worker, "name": "long1", "path_prefix": "/long1"}
-    proxy = make_proxy(route(tool.url), short, long, long1, mcp_route(mcp_tool.url))
+    demo = route(demo_tool.url, name="demo", prefix="/demo", strip_prefix=True, lock_ttl="10s")
+    demo_long = {
+        **demo,
+        "name": "demolong",
+        "path_prefix": "/demolong",
+        "async": {"visibility": "2s"},
+    }
+    routes = [route(tool.url), short, long, long1, mcp_route(mcp_tool.url), demo, demo_long]
+    proxy = make_proxy(*routes)
     if _stale():
         subprocess.run([npm, "run", "build", "--silent"], cwd=CLIENT, check=True, timeout=120)
     done = subprocess.run(
@@ -58,5 +74,6 @@ def test_the_typescript_client_against_a_real_proxy(
 def _stale() -> bool:
     """True if dist/ is missing or older than a TypeScript source."""
     built = [path.stat().st_mtime for path in (CLIENT / "dist").rglob("*.js")]
-    sources = [p.stat().st_mtime for d in ("src", "test") for p in (CLIENT / d).glob("*.ts")]
+    folders = ("src", "test", "examples")
+    sources = [p.stat().st_mtime for d in folders for p in (CLIENT / d).glob("*.ts")]
     return not built or max(sources) > min(built)

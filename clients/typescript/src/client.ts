@@ -184,7 +184,7 @@ export class ToolProxy {
         delay = this.retrying(got, attempt, started);
         if (delay === undefined) throw got;
       } catch (error) {
-        if (!(error instanceof TypeError)) throw error; // fetch's network errors are TypeErrors
+        if (!isNetworkError(error)) throw error;
         delay = this.waits.transport ? this.budget(this.delay(attempt, undefined), started) : undefined;
         if (delay === undefined) throw new TransportError(`no answer from the proxy: ${error.message}`, { cause: error });
       }
@@ -324,6 +324,11 @@ async function read(response: Response, key: string | undefined, record: RecordI
     return new Operation(id, path, key, withOp, parseJson(new TextDecoder().decode(body)));
   }
   return new Answer(response.status, response.headers, body, key);
+}
+
+/** fetch's network errors are TypeErrors; a timeout (AbortSignal.timeout) a TimeoutError. */
+function isNetworkError(error: unknown): error is Error {
+  return error instanceof TypeError || (error instanceof Error && error.name === "TimeoutError");
 }
 
 function isProblem(got: Answer | Operation | ProxyProblem): got is ProxyProblem {

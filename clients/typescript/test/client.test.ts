@@ -1,6 +1,7 @@
 // Runs against a real tool-proxy in front of tests/servers.py's CountingTool, started by
 // tests/test_client_typescript.py, which passes its URL in TOOL_PROXY_URL. Routes:
-// /tools (guarded), /short (timeout 300ms), /long (async), /mcp (an MCP server).
+// /tools (guarded), /short (timeout 300ms), /long and /long1 (async), /mcp (an MCP server),
+// /demo and /demolong (the demo tool, plain and async).
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
