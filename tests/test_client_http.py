@@ -6,10 +6,15 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 from tool_proxy_client import (
     Answer,
     AsyncToolProxy,
@@ -32,7 +37,7 @@ from tool_proxy_client.errors import (
 )
 
 from tests.conftest import ProxyFactory, route
-from tests.servers import CountingTool, free_port
+from tests.servers import CountingTool, ThreadServer, free_port
 from tests.test_jobs import long_route
 
 ARGS = {"account": "acme", "amount": 42}
@@ -270,3 +275,57 @@ def test_the_sync_client_takes_an_httpx_client() -> None:
     http = httpx.Client(headers={"Authorization": "Bearer t"})
     with ToolProxy("http://127.0.0.1:1/", http=http) as client:
         assert client.base_url == "http://127.0.0.1:1" and client.http is http
+
+
+class CuttingRelay:
+    """A relay in front of the proxy that cuts the first event stream after its first
+    event (the connection breaks mid-stream), and notes each stream's Last-Event-ID."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.last_event_ids: list[str | None] = []
+        self.app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])
+
+    async def handle(self, request: Request) -> Response:
+        url = (
+            self.target + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        )
+        headers = {k: v for k, v in request.headers.items() if k not in ("host", "content-length")}
+        if "text/event-stream" in request.headers.get("accept", ""):
+            self.last_event_ids.append(request.headers.get("last-event-id"))
+            return StreamingResponse(
+                self._events(url, headers, cut=len(self.last_event_ids) == 1),
+                media_type="text/event-stream",
+            )
+        async with httpx.AsyncClient() as http:
+            answer = await http.request(
+                request.method, url, content=await request.body(), headers=headers
+            )
+        kept = {k: v for k, v in answer.headers.items() if k not in _HOP}
+        return Response(answer.content, answer.status_code, headers=kept)
+
+    async def _events(self, url: str, headers: dict[str, str], cut: bool) -> AsyncIterator[bytes]:
+        async with httpx.AsyncClient() as http, http.stream("GET", url, headers=headers) as answer:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+                if cut and (b"\n\n" in chunk or b"\r\n\r\n" in chunk):
+                    raise ConnectionAbortedError("the relay cuts the stream")
+
+
+_HOP = ("content-length", "transfer-encoding", "content-encoding", "connection")
+
+
+def test_a_broken_event_stream_is_resumed_with_last_event_id(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(long_route(tool.url))
+    relay = CuttingRelay(proxy.url)
+    server = ThreadServer(relay.app).start()
+    step = plan().step(1)
+    try:
+        with ToolProxy(server.url) as client:
+            answer = client.call(step, "/tools/review?delay=1.5", ARGS, respond_async=True)
+    finally:
+        server.stop()
+    assert answer.json()["execution"] == 1
+    assert relay.last_event_ids[:2] == [None, "1"]
