@@ -192,22 +192,16 @@ class ToolProxy(_Base):
         json: Any = None,
         *,
         wait: float | None = None,
-        **options: Any,
+        method: str = "POST",
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
     ) -> Answer | Operation:
         """Send a long call asking for ``202`` (``Prefer: respond-async``, ``wait=N``):
         the :class:`Operation`, or the answer itself if the call ended within ``wait``."""
+        respond = True if wait is None else wait
         url = self._url(path)
-        request = _Request(
-            options.pop("method", "POST"),
-            url,
-            step,
-            json,
-            options.pop("content", None),
-            options.pop("headers", None),
-            options.pop("key", None),
-            True if wait is None else wait,
-        )
-        return self._send(request)
+        return self._send(_Request(method, url, step, json, content, headers, key, respond))
 
     def _send(self, request: _Request) -> Answer | Operation:
         started, attempt = time.monotonic(), 0
@@ -249,7 +243,7 @@ class ToolProxy(_Base):
 
     def _poll(self, op: Operation, deadline: float, on_status: StatusCallback | None) -> None:
         while True:
-            response = self._get(op.location, op)
+            response = self._get(op.location)
             document = _status(response, op)
             if document is None:
                 return
@@ -284,11 +278,11 @@ class ToolProxy(_Base):
                 time.sleep(self.waits.delay(0, None))  # the stream broke: reconnect
 
     def _fetch_result(self, op: Operation) -> Answer:
-        return _result(self._get(op.location + "/result", op), op)
+        return _result(self._get(op.location + "/result"), op)
 
     def status(self, operation: Operation) -> dict[str, Any]:
         """The operation's status document now."""
-        document = _status(self._get(operation.location, operation), operation)
+        document = _status(self._get(operation.location), operation)
         return document if document is not None else {**operation.document, "state": "completed"}
 
     def cancel(self, operation: Operation) -> dict[str, Any]:
@@ -303,14 +297,14 @@ class ToolProxy(_Base):
 
     def steps(self, plan: str) -> list[dict[str, Any]]:
         """The recorded steps of a plan session (``GET /_proxy/sessions/{plan}/steps``)."""
-        response = self._get(f"/_proxy/sessions/{plan}/steps", None)
+        response = self._get(f"/_proxy/sessions/{plan}/steps")
         document = problem_of(response)
         if document is not None:
             raise problem_from(response, document, None)
         steps: list[dict[str, Any]] = response.json()["steps"]
         return steps
 
-    def _get(self, path: str, op: Operation | None) -> httpx.Response:
+    def _get(self, path: str) -> httpx.Response:
         try:
             return self.http.get(self._url(path))
         except httpx.TransportError as exc:
@@ -369,20 +363,15 @@ class AsyncToolProxy(_Base):
         json: Any = None,
         *,
         wait: float | None = None,
-        **options: Any,
+        method: str = "POST",
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
     ) -> Answer | Operation:
         """As :meth:`ToolProxy.submit`."""
-        request = _Request(
-            options.pop("method", "POST"),
-            self._url(path),
-            step,
-            json,
-            options.pop("content", None),
-            options.pop("headers", None),
-            options.pop("key", None),
-            True if wait is None else wait,
-        )
-        return await self._send(request)
+        respond = True if wait is None else wait
+        url = self._url(path)
+        return await self._send(_Request(method, url, step, json, content, headers, key, respond))
 
     async def _send(self, request: _Request) -> Answer | Operation:
         started, attempt = time.monotonic(), 0
