@@ -9,16 +9,18 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from agents import RunContextWrapper
+from agents import RunContextWrapper, function_tool
 from agents.mcp import MCPServerStreamableHttp, MCPUtil
+from agents.tool_context import ToolContext
 from langchain_mcp_adapters.client import MultiServerMCPClient
-from tool_proxy_client import PlanSession
+from tool_proxy_client import AsyncToolProxy, PlanSession, StepCounter
 from tool_proxy_client.errors import IdempotencyKeyReused
 from tool_proxy_client.langchain import key_interceptor
 from tool_proxy_client.openai_agents import tool_meta_resolver
 
-from tests.conftest import ProxyFactory
+from tests.conftest import ProxyFactory, route
 from tests.mcp_servers import McpTool
+from tests.servers import CountingTool
 from tests.test_mcp import mcp_route
 
 
@@ -98,3 +100,35 @@ async def _two_tools_one_step(url: str, plan: PlanSession, account: str) -> None
     tools = {t.name: t for t in await client.get_tools()}
     await tools["balance"].ainvoke({"account": account})
     await tools["refund"].ainvoke({"account": account})
+
+
+def test_openai_agents_function_tools_call_http_tools_with_the_runs_steps(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    """The step comes from the run context the orchestrator passes, never from the
+    model's tool_call_id (new on every attempt)."""
+    proxy = make_proxy(route(tool.url))
+    plan = PlanSession.new()
+
+    @function_tool
+    async def charge(ctx: RunContextWrapper[StepCounter], account: str, amount: int) -> str:
+        """Charge an account."""
+        async with AsyncToolProxy(proxy.url) as client:
+            answer = await client.call(
+                ctx.context.next(), "/tools/charge", {"account": account, "amount": amount}
+            )
+        return f"execution {answer.json()['execution']}, replayed={answer.replayed}"
+
+    async def run() -> str:
+        arguments = json.dumps({"account": "acme", "amount": 42})
+        context = ToolContext(
+            plan.counter(),
+            tool_name="charge",
+            tool_call_id=f"call_{uuid.uuid4().hex}",
+            tool_arguments=arguments,
+        )
+        return str(await charge.on_invoke_tool(context, arguments))
+
+    assert asyncio.run(run()) == "execution 1, replayed=False"
+    assert asyncio.run(run()) == "execution 1, replayed=True"  # a new tool_call_id, same step
+    assert tool.total == 1

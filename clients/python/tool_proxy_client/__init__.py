@@ -25,7 +25,7 @@ from tool_proxy_client.errors import (
     TransportError,
 )
 from tool_proxy_client.keys import args_hash, body_hash, canonical_json, composite_key
-from tool_proxy_client.session import PlanSession, Step
+from tool_proxy_client.session import PlanSession, Step, StepCounter
 
 __all__ = [
     "Answer",
@@ -44,6 +44,7 @@ __all__ = [
     "RequestInProgress",
     "ResponseNotStored",
     "Step",
+    "StepCounter",
     "StillRunning",
     "ToolProxy",
     "ToolProxyError",
