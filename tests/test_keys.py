@@ -26,6 +26,7 @@ from proxy.keys import (
     parse_opaque,
     unquote,
 )
+from tests.vectors import key_vectors
 
 JCS = Canonicalization.JCS
 PY = Canonicalization.PYTHON_JSON
@@ -262,3 +263,17 @@ def test_quoted_keys_are_accepted() -> None:
 def test_bad_opaque_keys(key: str) -> None:
     with pytest.raises(InvalidIdempotencyKey):
         parse_opaque(key)
+
+
+@pytest.mark.parametrize("vector", key_vectors()["vectors"], ids=lambda v: v["canonical"][:40])
+def test_composite_key_gives_the_shared_vectors(vector: dict[str, Any]) -> None:
+    key = composite_key(vector["plan"], vector["step"], vector["arguments"])
+    assert canonical_json(vector["arguments"], JCS).decode() == vector["canonical"]
+    assert key == vector["key"]
+    assert key.rsplit(":", 1)[1] == vector["args_hash"] == sha(vector["canonical"].encode())
+
+
+@pytest.mark.parametrize("body", key_vectors()["bodies"], ids=lambda b: f"{b['content_type']}")
+def test_fingerprint_gives_the_shared_body_vectors(body: dict[str, Any]) -> None:
+    digest = fingerprint(body["body"].encode(), body["content_type"], JCS, DEPTH)
+    assert digest == body["args_hash"]
