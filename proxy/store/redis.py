@@ -1265,15 +1265,16 @@ _SHA.update(
 
 
 # The scripts the coalescer may send again when their reply is lost (``Coalescer``): reads,
-# and writes that, run twice, do and answer as once: the same owner's claim, renewals
-# and releases (no caller reads a release's answer), the queue's writes (each carries a
-# token), a pause (the later end wins). Not the rate take and true-up (units taken twice),
+# and writes that, run twice, do and answer as once: the same owner's claim and
+# renewals, the queue's writes (each carries a token), a pause (the later end wins). Not
+# a record's release: its answer is read (a job's refusal: whether the key was still its
+# own), and a resend would answer "not yours". Not the rate take and true-up (units taken twice),
 # a settle or a lock's release (their answer would say "changed meanwhile"), nor a
 # complete that must not replace an outcome (it would find its own); those fail with
 # ``StoreUnavailable``, as when Redis is out of reach.
 RESENDABLE = frozenset(
     {
-        *(_CLAIM, _GET, _RECORDS, _RENEW, _RELEASE, _UNLOCK),
+        *(_CLAIM, _GET, _RECORDS, _RENEW, _UNLOCK),
         *(_RENEW_SLOTS, _PAUSE, _ACQUIRE_LOCK, _RENEW_LOCK, _READ_VERSION, _BEGIN_WRITE),
         *(_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS),
     }
