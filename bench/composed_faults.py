@@ -4,16 +4,19 @@ in the suite as tests/test_composed.py).
 
 Prints the requests, the faults by kind, the executions at the tool and every violation;
 exits 1 if there is one. ``--harsh`` lets freezes and pauses outlast the leases (past
-``lock_ttl``), which finds the open items of issue 20 rather than checking the documented
-guarantees.
+``lock_ttl``), which looks for the open items of issue 20 rather than checking the
+documented guarantees. ``--calibrate`` runs the routes with ``on_lapsed_lease:
+reexecute``, the documented way to run a call twice after a crash: the checker must
+report second executions (exit 1 if it does not).
 
     PYTHONPATH=. .venv/bin/python bench/composed_faults.py --seed N --seconds S
-        [--agents A] [--replicas R] [--harsh] [--nemesis-log]
+        [--agents A] [--replicas R] [--harsh] [--calibrate] [--nemesis-log]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +33,11 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=12)
     parser.add_argument("--replicas", type=int, default=3, choices=(2, 3))
     parser.add_argument("--harsh", action="store_true")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="on_lapsed_lease: reexecute: the checker must report second executions",
+    )
     parser.add_argument("--nemesis-log", action="store_true", help="print every fault")
     options = parser.parse_args()
     shape = Shape(
@@ -39,13 +47,18 @@ def main() -> int:
         replicas=options.replicas,
         max_steps=100_000,  # bounded by the time instead
         harsh=options.harsh,
+        reexecute=options.calibrate,
     )
-    with tempfile.TemporaryDirectory(prefix="composed-") as tmp:
-        report = run(shape, Path(tmp))
+    tmp = Path(tempfile.mkdtemp(prefix="composed-"))
+    report = run(shape, tmp)
     if options.nemesis_log:
         print("\n".join(report.nemesis_log))
     print("\n".join(report.lines()))
-    return 1 if report.violations else 0
+    if report.violations:
+        print(f"the replicas' logs are in {tmp}")
+        return 0 if shape.reexecute else 1
+    shutil.rmtree(tmp)
+    return 1 if shape.reexecute else 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.keys import composite_key
 from tests.idp import IdentityProvider
-from tests.servers import ProxyProcess, RedisServer, ThreadServer
+from tests.servers import ProxyProcess, RedisServer, ThreadServer, wait_for
 from tests.test_auth import auth_config
 
 PRINCIPALS = ("alice", "bob", "carol")
@@ -103,6 +103,12 @@ class Shape:
     """Let freezes and pauses outlast the leases (finds the open items of issue 20)."""
     tool_fault_rate: float = 0.03
     """Chance of each kind of tool fault per guarded call (five kinds)."""
+    reexecute: bool = False
+    """Calibration: routes with ``on_lapsed_lease: reexecute``, the documented way to run
+    a call twice after a crash; the checker must then see second executions."""
+    client_timeout: float = 5.0
+    """The agents' own HTTP timeout: a call that takes longer is retried (under its key,
+    at another replica perhaps) while it still runs, as agents do."""
 
 
 @dataclass
@@ -367,7 +373,12 @@ def routes(tool: str, shape: Shape, *, sqlite: bool) -> list[dict[str, Any]]:
             "upstream": tool + ("/sq" if sqlite else ""),
             "timeout": "3s",
             "auth": auth,
-            "idempotency": {"lock_ttl": lease, "result_ttl": "1h", "retry_after": "1s"},
+            "idempotency": {
+                "lock_ttl": lease,
+                "result_ttl": "1h",
+                "retry_after": "1s",
+                "on_lapsed_lease": "reexecute" if shape.reexecute else "fail",
+            },
             **extra,
         }
 
@@ -399,6 +410,29 @@ def routes(tool: str, shape: Shape, *, sqlite: bool) -> list[dict[str, Any]]:
     return [ledger, doc, lookup, jobs]
 
 
+class Replica(ProxyProcess):
+    """A ``tool-proxy serve`` process that may start slowly (a loaded machine) and keeps
+    the log of each life (``proxy-<port>.log.<n>`` for those it was killed in)."""
+
+    lives = 0
+
+    def start(self) -> Replica:
+        try:
+            super().start()
+        except AssertionError:  # not healthy within 20 s: give it longer
+            wait_for(
+                lambda: httpx.get(f"{self.url}/_proxy/healthz").status_code == 200,
+                seconds=60,
+                what=f"proxy on {self.port}; log: {self.log_path}",
+            )
+        return self
+
+    def kill(self) -> None:
+        super().kill()
+        self.lives += 1
+        self.log_path.rename(self.log_path.with_name(f"{self.log_path.name}.{self.lives}"))
+
+
 class System:
     """The tool, the identity provider, Redis and the replicas (the last one on SQLite)."""
 
@@ -410,8 +444,8 @@ class System:
         self.idp_server = ThreadServer(self.idp.app)
         self.redis = RedisServer()
         self.tmp = tmp
-        self.replicas: list[ProxyProcess] = []
-        self.sqlite: ProxyProcess | None = None
+        self.replicas: list[Replica] = []
+        self.sqlite: Replica | None = None
         self.tokens: dict[str, str] = {}
 
     def start(self) -> System:
@@ -432,18 +466,18 @@ class System:
             "auth": auth,
             "routes": routes(self.tool_server.url, self.shape, sqlite=True),
         }
-        self.replicas = [ProxyProcess(shared, self.tmp) for _ in range(self.shape.replicas)]
-        self.sqlite = ProxyProcess(alone, self.tmp)
-        with ThreadPoolExecutor(len(self.everyone)) as pool:
+        self.replicas = [Replica(shared, self.tmp) for _ in range(self.shape.replicas)]
+        self.sqlite = Replica(alone, self.tmp)
+        with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda proxy: proxy.start(), self.everyone))
         return self
 
     @property
-    def everyone(self) -> list[ProxyProcess]:
+    def everyone(self) -> list[Replica]:
         assert self.sqlite is not None
         return [*self.replicas, self.sqlite]
 
-    def group(self, ns: str) -> list[ProxyProcess]:
+    def group(self, ns: str) -> list[Replica]:
         assert self.sqlite is not None
         return [self.sqlite] if ns == "sq" else self.replicas
 
@@ -773,7 +807,8 @@ class Report:
         return [
             f"seed {s.seed}: {s.seconds:.0f} s of faults, {s.agents} agents, "
             f"{s.replicas} Redis replicas + 1 SQLite, lock_ttl {s.lock_ttl:.0f}s"
-            + (", harsh" if s.harsh else ""),
+            + (", harsh" if s.harsh else "")
+            + (", reexecute (calibration)" if s.reexecute else ""),
             f"requests {self.attempts} (answers by status: {_counts(self.answers)}; "
             f"transport errors: {_counts(self.errors)})",
             f"faults {sum(self.faults.values())}: {_counts(self.faults)}",
@@ -792,7 +827,7 @@ async def _drive(system: System, shape: Shape) -> tuple[History, Nemesis]:
     history = History()
     nemesis = Nemesis(system, shape)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
-    async with httpx.AsyncClient(timeout=15.0, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=shape.client_timeout, limits=limits) as client:
         agents = [Agent(n, system, client, history, shape) for n in range(shape.agents)]
         until = time.monotonic() + shape.seconds
         system.tool.faulty = True
