@@ -273,7 +273,7 @@ class Tool:
                 await asyncio.sleep(self.rng.uniform(3.5, 4.5))  # past the route's timeout
             elif fault == "stall":
                 await asyncio.sleep(self.rng.uniform(0.2, 1.0))
-            answer = self._execute(ident, headers, body)
+            answer = self.execute(ident, headers, body)
         finally:
             self.pending.discard(ident)
         if fault == "reset":  # executed, then the connection breaks: outcome unknown
@@ -283,9 +283,11 @@ class Tool:
             return
         await _respond(send, 200, answer)
 
-    def _execute(
+    def execute(
         self, ident: tuple[str, str, str, str], headers: dict[str, str], body: bytes
     ) -> bytes:
+        """Run the call: log it, check its fencing token or the revision it was based on,
+        and keep its answer (what ``reconcile`` finds)."""
         ns, route, principal, key = ident
         with self.lock:
             self.serial += 1
@@ -530,14 +532,18 @@ class Nemesis:
     async def run(self, until: float) -> None:
         """Rounds of every kind of fault, each round in a seeded order."""
         kinds = ["kill", "stop", "redis-pause", "redis-stop", "tool-storm"]
+        if self.shape.harsh:
+            kinds.append("redis-drop")
+        rounds = 0
         while time.monotonic() < until:
             self.rng.shuffle(kinds)
             for kind in kinds:
                 await asyncio.sleep(self.rng.uniform(0.5, 2.0))
-                if time.monotonic() >= until:
+                if time.monotonic() >= until and rounds:  # the first round runs whole
                     return
                 self.faults[kind] += 1
                 await getattr(self, kind.replace("-", "_"))()
+            rounds += 1
 
     async def kill(self) -> None:
         proxy = self.rng.choice(self.system.everyone)
@@ -564,6 +570,19 @@ class Nemesis:
             _redis_command, self.system.redis, "CLIENT", "PAUSE", str(int(seconds * 1000)), "ALL"
         )
         await asyncio.sleep(seconds)
+
+    async def redis_drop(self) -> None:
+        """Every client's connection reset, with the commands they had sent dropped
+        unexecuted: what a Redis restart (with its data kept) does to its clients."""
+        seconds = self.rng.uniform(0.3, 1.5)
+        self.log.append(f"{time.monotonic():.1f} redis connections dropped after {seconds:.1f}s")
+        redis = self.system.redis
+        await asyncio.to_thread(_redis_command, redis, "CLIENT", "PAUSE", "10000", "WRITE")
+        try:
+            await asyncio.sleep(seconds)
+            await asyncio.to_thread(_redis_command, redis, "CLIENT", "KILL", "TYPE", "normal")
+        finally:
+            await asyncio.to_thread(_redis_command, redis, "CLIENT", "UNPAUSE")
 
     async def redis_stop(self) -> None:
         seconds = self.rng.uniform(0.3, self.longest(self.shape.lock_ttl / 4))

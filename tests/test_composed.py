@@ -67,10 +67,10 @@ def test_the_tool_log_shows_second_executions_stale_fences_and_lost_updates() ->
     tool = Tool(0, 0.0)
     key = IDENT[3]
     for fence in ("5", "4"):
-        tool._execute(IDENT, {"fencing-token": fence}, b'{"account": "acc-0"}')
+        tool.execute(IDENT, {"fencing-token": fence}, b'{"account": "acc-0"}')
     doc = ("", "doc", "bob", "k")
     for _ in range(2):
-        tool._execute(doc, {"x-doc": "doc-0"}, b'{"based_on": 0}')
+        tool.execute(doc, {"x-doc": "doc-0"}, b'{"based_on": 0}')
     assert violations(tool=tool) == ["at-most-once", "fencing", "lost-update"]
     assert [e["key"] for e in tool.executions][:2] == [key, key]
 
