@@ -21,9 +21,9 @@ lapse, each key is sent once more, and ``check`` reads the invariants off both l
   passed, and every operation ended.
 
 Everything is bounded: the agents' steps and attempts, the nemesis' faults (one at a time,
-each shorter than the leases it could break unless ``harsh``), every wait. The seed fixes
-the schedule of faults and the agents' choices; thread and process timing is not
-reproducible, so a seed is a shape of run, not a replay of one.
+each shorter than the leases and timeouts it could break unless ``harsh``), every wait.
+The seed fixes the schedule of faults and the agents' choices; thread and process timing
+is not reproducible, so a seed is a shape of run, not a replay of one.
 
 Used by tests/test_composed.py (a short seed) and bench/composed_faults.py (longer runs).
 """
@@ -39,7 +39,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +79,12 @@ FORGOTTEN = {  # after a recorded answer, these mean the proxy no longer knows t
 }
 UNKNOWN = {"outcome-unknown"}
 TERMINAL = {"completed", "failed", "dead", "cancelled"}
+REDIS_PAUSE = 1.0
+"""The longest Redis pause or stop (unless harsh): half the store client's 2 s timeout, so
+that a command is delayed, never failed (a failed claim or write is the harsh regime's)."""
+FREEZE = 1.5
+"""The longest freeze of a replica (unless harsh): below that timeout too (a frozen
+process finds its timers due when it thaws)."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,8 @@ class Shape:
     max_attempts: int = 10
     """Attempts per request at most (then the agent gives the step up)."""
     lock_ttl: float = 6.0
-    """The idempotency lease; the nemesis keeps every freeze and pause well below a third
-    of it unless ``harsh``."""
+    """The idempotency lease; unless ``harsh``, the nemesis keeps every freeze and pause
+    below a quarter of it, and below the store client's timeout."""
     harsh: bool = False
     """Let freezes and pauses outlast the leases (finds the open items of issue 20)."""
     tool_fault_rate: float = 0.03
@@ -526,7 +531,7 @@ class Nemesis:
         self.log: list[str] = []
 
     def longest(self, safe: float) -> float:
-        """The longest freeze or pause: a third of the lease, or past it when harsh."""
+        """The longest freeze or pause: ``safe``, or past the lease when harsh."""
         return self.shape.lock_ttl * 1.5 if self.shape.harsh else safe
 
     async def run(self, until: float) -> None:
@@ -554,7 +559,7 @@ class Nemesis:
 
     async def stop(self) -> None:
         proxy = self.rng.choice(self.system.everyone)
-        seconds = self.rng.uniform(0.3, self.longest(self.shape.lock_ttl / 4))
+        seconds = self.rng.uniform(0.3, self.longest(min(self.shape.lock_ttl / 4, FREEZE)))
         self.log.append(f"{time.monotonic():.1f} SIGSTOP {proxy.port} {seconds:.1f}s")
         assert proxy.process is not None
         proxy.process.send_signal(signal.SIGSTOP)
@@ -564,7 +569,7 @@ class Nemesis:
             proxy.process.send_signal(signal.SIGCONT)
 
     async def redis_pause(self) -> None:
-        seconds = self.rng.uniform(0.3, self.longest(self.shape.lock_ttl / 4))
+        seconds = self.rng.uniform(0.3, self.longest(REDIS_PAUSE))
         self.log.append(f"{time.monotonic():.1f} CLIENT PAUSE {seconds:.1f}s")
         await asyncio.to_thread(
             _redis_command, self.system.redis, "CLIENT", "PAUSE", str(int(seconds * 1000)), "ALL"
@@ -585,7 +590,7 @@ class Nemesis:
             await asyncio.to_thread(_redis_command, redis, "CLIENT", "UNPAUSE")
 
     async def redis_stop(self) -> None:
-        seconds = self.rng.uniform(0.3, self.longest(self.shape.lock_ttl / 4))
+        seconds = self.rng.uniform(0.3, self.longest(REDIS_PAUSE))
         self.log.append(f"{time.monotonic():.1f} redis SIGSTOP {seconds:.1f}s")
         self.system.redis.pause()
         try:
@@ -634,7 +639,7 @@ class Agent:
         self.rng = random.Random(f"agent:{shape.seed}:{n}")
         self.principal = PRINCIPALS[n % len(PRINCIPALS)]
         self.ns = "sq" if n % 4 == 3 else ""
-        self.plan = f"plan-{shape.seed}-{n}-{uuid.uuid4().hex[:6]}"
+        self.plan = f"plan-{shape.seed}-{n}-{self.rng.getrandbits(24):06x}"
         self.step = 0
         self.system = system
         self.client = client
