@@ -128,7 +128,6 @@ class Request:
     path: str
     headers: dict[str, str]
     body: bytes
-    async_: bool = False
 
     @property
     def ident(self) -> tuple[str, str, str, str]:
@@ -613,10 +612,14 @@ class Nemesis:
 
 @dataclass
 class History:
+    """What the agents saw: every answer, each key's request, each key's operation."""
+
     answers: list[Answer] = field(default_factory=list)
     requests: dict[tuple[str, str, str, str], Request] = field(default_factory=dict)
     operations: dict[tuple[str, str, str, str], str] = field(default_factory=dict)
+    """The ``Location`` of each key's operation (async calls)."""
     errors: Counter[str] = field(default_factory=Counter)
+    """Transport errors by kind (refused connections, the agents' own timeouts, ...)."""
     attempts: int = 0
 
 
@@ -703,7 +706,6 @@ class Agent:
     async def jobs(self) -> None:
         body = {"job": f"{self.name}:{self.step}"}
         request = self.request("jobs", "/jobs/run", body, prefer="respond-async")
-        request.async_ = True
         await send(request, self, "run")
 
 
@@ -947,8 +949,13 @@ def check(history: History, tool: Tool) -> list[Violation]:
         violations += replays(ident, answers)
         violations += operation(ident, answers)
         violations += principals(ident, answers)
+        where = history.operations.get(ident, "no operation")
         violations += [
-            Violation("in-progress", f"{ident} still IN_PROGRESS (409) after the faults")
+            Violation(
+                "in-progress",
+                f"{ident} still IN_PROGRESS after the faults (409, or an operation "
+                f"that did not end); {where}",
+            )
             for a in answers
             if a.phase == "stuck"
         ]
