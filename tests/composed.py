@@ -18,7 +18,9 @@ lapse, each key is sent once more, and ``check`` reads the invariants off both l
   nor one answer for another), and an operation's state, its result and the key agree;
 - ``principals``: no answer reached another principal than the one it was made for;
 - ``in-progress``: no key left IN_PROGRESS (409) once faults stopped and ``lock_ttl``
-  passed, and every operation ended.
+  passed, and every operation ended;
+- ``internal-error``: no ``500 internal-error`` or ``store-error`` (a bug, or a malformed
+  record).
 
 Everything is bounded: the agents' steps and attempts, the nemesis' faults (one at a time,
 each shorter than the leases and timeouts it could break unless ``harsh``), every wait.
@@ -949,6 +951,11 @@ def check(history: History, tool: Tool) -> list[Violation]:
         violations += replays(ident, answers)
         violations += operation(ident, answers)
         violations += principals(ident, answers)
+        violations += [
+            Violation("internal-error", f"{ident} answered {a.status}: {a.body[:300]!r}")
+            for a in answers
+            if a.problem in ("internal-error", "store-error")
+        ]
         where = history.operations.get(ident, "no operation")
         violations += [
             Violation(

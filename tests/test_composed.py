@@ -56,6 +56,7 @@ def test_the_checker_sees_crossed_principals_and_stuck_keys() -> None:
     assert violations(answer(body={"exec": "r-1", "principal": "bob"})) == ["principals"]
     stuck = answer(409, {}, problem="request-in-progress", phase="stuck")
     assert violations(stuck) == ["in-progress"]
+    assert violations(answer(500, {}, problem="internal-error")) == ["internal-error"]
 
 
 def test_the_checker_sees_an_operation_that_failed_while_its_key_has_the_answer() -> None:
