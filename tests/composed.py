@@ -81,9 +81,10 @@ FORGOTTEN = {  # after a recorded answer, these mean the proxy no longer knows t
 }
 UNKNOWN = {"outcome-unknown"}
 TERMINAL = {"completed", "failed", "dead", "cancelled"}
-REDIS_PAUSE = 1.0
-"""The longest Redis pause or stop (unless harsh): half the store client's 2 s timeout, so
-that a command is delayed, never failed (a failed claim or write is the harsh regime's)."""
+REDIS_PAUSE = 0.5
+"""The longest Redis pause or stop (unless harsh): a quarter of the store client's 2 s
+timeout, so that a command is delayed, never failed, even on a loaded machine (a failed
+claim or write is the harsh regime's)."""
 FREEZE = 1.5
 """The longest freeze of a replica (unless harsh): below that timeout too (a frozen
 process finds its timers due when it thaws)."""

@@ -82,10 +82,10 @@ def test_a_short_seed_keeps_every_invariant(tmp_path: Path) -> None:
     within the documented margins (freezes and pauses below a quarter of lock_ttl and
     below the store client's timeout)."""
     report = run(Shape(seed=20, seconds=40.0, agents=10), tmp_path)
-    print("\n".join(report.lines()))
-    assert report.executions > 50
-    assert {"kill", "stop", "redis-pause", "redis-stop", "tool-storm"} <= set(report.faults)
-    assert not report.violations, "\n".join(report.lines())
+    lines = "\n".join(report.lines() + report.nemesis_log)
+    assert report.executions > 50, lines
+    assert {"kill", "stop", "redis-pause", "redis-stop", "tool-storm"} <= set(report.faults), lines
+    assert not report.violations, lines
 
 
 @pytest.mark.skip(
