@@ -36,6 +36,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import random
 import signal
 import socket
@@ -56,6 +57,11 @@ from proxy.keys import composite_key
 from tests.idp import IdentityProvider
 from tests.servers import ProxyProcess, RedisServer, ThreadServer, wait_for
 from tests.test_auth import auth_config
+
+# The replicas' sealing key of stored requests' credentials (store.sealing_key_env),
+# inherited from this process.
+SEALING_ENV = "TEST_SEALING_KEY"
+os.environ.setdefault(SEALING_ENV, base64.b64encode(b"c" * 32).decode())
 
 PRINCIPALS = ("alice", "bob", "carol")
 ACCOUNTS = 3
@@ -466,12 +472,12 @@ class System:
         self.tokens = {p: f"Bearer {self.idp.token(p, exp=exp)}" for p in PRINCIPALS}
         auth = auth_config(self.idp)
         shared = {
-            "store": {"url": self.redis.url},
+            "store": {"url": self.redis.url, "sealing_key_env": SEALING_ENV},
             "auth": auth,
             "routes": routes(self.tool_server.url, self.shape, sqlite=False),
         }
         alone = {
-            "store": {"url": f"sqlite://{self.tmp}/state.db"},
+            "store": {"url": f"sqlite://{self.tmp}/state.db", "sealing_key_env": SEALING_ENV},
             "auth": auth,
             "routes": routes(self.tool_server.url, self.shape, sqlite=True),
         }
