@@ -125,6 +125,9 @@ RequestId = str | int | None
 class Exchange(Protocol):
     """The proxy's side of one request on an MCP route (tokens, policies, the upstream)."""
 
+    identity: str
+    """The caller's identity digest (downstream tokens), "" without ``auth``."""
+
     def read(self) -> Awaitable[bytes]:
         """The whole request body (within limits.max_body_bytes)."""
 
@@ -149,6 +152,30 @@ class Exchange(Protocol):
 
     def lookup(self) -> Lookup | None:
         """The route's reconcile look-up for this caller, if it has one."""
+
+
+class Tasks(Protocol):
+    """The tasks the proxy itself makes on a route with ``async`` (``mcp_tasks.py``)."""
+
+    async def call(
+        self, request: Incoming, exchange: Exchange, principal: str, call: ToolCall, body: bytes
+    ) -> Handled | None:
+        """A guarded ``tools/call`` run on the route's workers; None: a live call."""
+
+    async def answer(
+        self, request: Incoming, message: types.JSONRPCRequest, principal: str
+    ) -> Handled | None:
+        """A ``tasks/*`` request about one of the proxy's tasks; None: the server's."""
+
+
+class Messages(Protocol):
+    """What is given the messages of an SSE answer other than its result (``Progress``)."""
+
+    def start(self) -> None:
+        """The answer is an SSE stream."""
+
+    def event(self, data: bytes) -> None:
+        """One message of the server that is not the call's result."""
 
 
 @dataclass(slots=True)
@@ -227,10 +254,12 @@ class McpView:
             Canonicalization.JCS if idempotency is None else idempotency.canonicalization
         )
         release = self.policy.release_on_status if self.policy is not None else ()
-        self._not_run = TRANSPORT_REFUSALS | frozenset(release)
+        self.not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
         self.answer_bound = answer_bound(self.config, guard)
         """The most of a guarded call's answer held while it is read whole."""
+        self.tasks: Tasks | None = None
+        """The proxy's own tasks, on a route with ``async`` (set once its jobs exist)."""
 
     def guards(self, tool: str) -> bool:
         """True if ``tools/call`` of ``tool`` is guarded on this route."""
@@ -281,7 +310,16 @@ class McpView:
             unsupported = unsupported_version(request, call)
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
                 return Handled(unsupported, Outcome.REJECTED)
+            if self.tasks is not None:  # a task, or a call run on the route's workers
+                handled = await self.tasks.call(request, exchange, principal, call, body)
+                if handled is not None:
+                    return handled
             return await self._guarded(request, exchange, principal, session, call, body)
+        if self.tasks is not None and _is_task_request(message):  # the proxy's, or the server's
+            assert isinstance(message, types.JSONRPCRequest)
+            handled = await self.tasks.answer(request, message, principal)
+            if handled is not None:
+                return handled
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.learns and _is_request(message, "tools/list"):  # learn the annotations
@@ -354,7 +392,7 @@ class McpView:
 
         async def forward() -> UpstreamResponse:
             sent = await exchange.forward(body, fence=fence, policies=True, call=cached)
-            return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
+            return await read_answer(sent, call.id, self.not_run, self.answer_bound, progress)
 
         attempt = self._attempt(op, forward, fence, exchange.lookup())
         if progress is None:  # JSON only: the answer once it is had whole
@@ -584,6 +622,10 @@ def _fell_behind() -> RequestInProgress:
 
 def _event(data: bytes) -> bytes:
     return b"event: message\ndata: " + data + b"\n\n"
+
+
+def _is_task_request(message: object) -> bool:
+    return isinstance(message, types.JSONRPCRequest) and message.method.startswith("tasks/")
 
 
 def _is_request(message: object, method: str) -> bool:
@@ -831,7 +873,7 @@ async def read_answer(
     id: str | int,
     not_run: frozenset[int] = frozenset(),
     bound: int = DEFAULT_MAX_ANSWER_BYTES,
-    progress: Progress | None = None,
+    progress: Messages | None = None,
 ) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
     response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
@@ -953,7 +995,7 @@ async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
 
 
 async def _final_event(
-    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Progress | None = None
+    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Messages | None = None
 ) -> bytes | None:
     """The data of the SSE stream's last event that holds the response to ``id``, read as
     the stream arrives: other events (progress, the server's requests) are dropped once
