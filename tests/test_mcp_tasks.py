@@ -18,7 +18,9 @@ from proxy import mcp, mcp_tasks
 from tests.conftest import ProxyFactory, new_key
 from tests.mcp_servers import McpTool, RawSession, session
 from tests.servers import ThreadServer
-from tests.test_mcp import account, mcp_route, text
+from tests.idp import IdentityProvider
+from tests.test_auth import auth_config
+from tests.test_mcp import account, bearer, mcp_route, text
 
 # The SDK 1.x client's tasks API (tasks left the core spec for an extension in 2026-07-28)
 pytestmark = pytest.mark.filterwarnings("ignore:The experimental tasks API:DeprecationWarning")
@@ -220,3 +222,33 @@ def test_a_followed_call_is_kept_alive(
     assert answer.headers["content-type"].startswith("text/event-stream")
     final = [line for line in rest if line.startswith("data:")][-1]
     assert f"deployed {who} (#1)" in final and '"id":7' in final.replace(" ", "")
+
+
+def test_tasks_are_their_principals_own(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, idp: IdentityProvider
+) -> None:
+    spec = {**tasks_route(mcp_tool.url), "auth": {"required": True}}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+
+    async def scenario() -> tuple[Any, ...]:
+        async with (
+            session(proxy.url + "/mcp", bearer(idp.token("alice"))) as alice,
+            session(proxy.url + "/mcp", bearer(idp.token("bob"))) as bob,
+        ):
+            created = await alice.experimental.call_tool_as_task(
+                "deploy", {"account": who}, meta=meta
+            )
+            task_id = created.task.taskId
+            with pytest.raises(McpError) as hidden:  # to bob, the proxy has no such task
+                await bob.experimental.get_task(task_id)
+            listed = await bob.experimental.list_tasks()
+            ended = await until_ended(alice, task_id)
+            return hidden.value, listed, ended, await alice.experimental.list_tasks()
+
+    hidden, bobs, ended, alices = asyncio.run(scenario())
+    assert hidden.error.code != mcp.REFUSED  # the server's answer: not one of its tasks
+    assert bobs.tasks == []
+    assert ended.status == "completed"
+    assert [task.taskId for task in alices.tasks] == [ended.taskId]
