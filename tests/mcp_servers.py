@@ -38,6 +38,8 @@ class McpTool:
 
     def __init__(self, *, json_response: bool, resumable: bool = False) -> None:
         self.executions: Counter[str] = Counter()
+        self.arrived: Counter[str] = Counter()
+        """Calls of ``deploy`` that reached the tool (counted before they wait)."""
         self.running: Counter[str] = Counter()
         self.overlap: Counter[str] = Counter()
         """The most transfers of one account that ran at once."""
@@ -126,6 +128,7 @@ class McpTool:
         @server.tool()
         async def deploy(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
             """A slow call: progress, then waits while ``gate`` is shut, progress, counts."""
+            self.arrived[f"deploy:{account}"] += 1
             await ctx.report_progress(0, 2, "started")
             await anyio.to_thread.run_sync(self.gate.wait, 30)
             await ctx.report_progress(1, 2, "almost")

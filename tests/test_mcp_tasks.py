@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,10 +16,10 @@ from mcp import ClientSession, types
 from mcp.shared.exceptions import McpError
 
 from proxy import mcp, mcp_tasks
-from tests.conftest import ProxyFactory, new_key
-from tests.mcp_servers import McpTool, RawSession, session
-from tests.servers import ThreadServer
+from tests.conftest import SEALING_ENV, ProxyFactory, new_key
 from tests.idp import IdentityProvider
+from tests.mcp_servers import McpTool, RawSession, message_of, session
+from tests.servers import ProxyProcess, RedisServer, ThreadServer, wait_for
 from tests.test_auth import auth_config
 from tests.test_mcp import account, bearer, mcp_route, text
 
@@ -252,3 +253,56 @@ def test_tasks_are_their_principals_own(
     assert bobs.tasks == []
     assert ended.status == "completed"
     assert [task.taskId for task in alices.tasks] == [ended.taskId]
+
+
+def _task_call(id: int, who: str) -> dict[str, Any]:
+    arguments = {"account": who}
+    return {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+        "name": "deploy", "arguments": arguments, "task": {"ttl": 60000},
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }}  # fmt: skip
+
+
+def test_a_replica_killed_with_one_task_sent_and_one_queued(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The queued task runs once on the next replica; the sent one is never sent again:
+    ``tasks/get`` says failed, with the outcome-unknown problem document."""
+    redis_server.flush()
+    tool = McpTool(json_response=True).start()
+    spec = {"store": {"url": redis_server.url, "sealing_key_env": SEALING_ENV}}
+    spec["routes"] = [tasks_route(tool.url)]  # type: ignore[assignment]
+    sent, queued = account(), account()
+    a = ProxyProcess(spec, tmp_path).start()
+    try:
+        with tool.holding(), httpx.Client(timeout=30) as http:
+            raw = RawSession(http, a.url + "/mcp", "application/json, text/event-stream")
+            raw.open("2025-11-25")
+            first = message_of(raw.post(_task_call(1, sent)))["result"]["task"]["taskId"]
+            wait_for(lambda: tool.arrived[f"deploy:{sent}"] == 1, what="the first call sent")
+            second = message_of(raw.post(_task_call(2, queued)))["result"]["task"]["taskId"]
+            a.kill()  # with the first call in flight, the second queued behind it
+        b = ProxyProcess(spec, tmp_path).start()
+
+        async def scenario() -> tuple[Any, ...]:
+            async with session(b.url + "/mcp") as client:
+                done = await until_ended(client, second)
+                result = await client.experimental.get_task_result(second, types.CallToolResult)
+                failed = await until_ended(client, first)
+                with pytest.raises(McpError) as unknown:
+                    await client.experimental.get_task_result(first, types.CallToolResult)
+                return done, result, failed, unknown.value
+
+        try:
+            done, result, failed, unknown = asyncio.run(scenario())
+        finally:
+            b.stop()
+    finally:
+        tool.stop()
+    assert done.status == "completed" and text(result) == f"deployed {queued} (#1)"
+    assert tool.executions[f"deploy:{queued}"] == 1
+    assert failed.status == "failed"
+    problem = (failed.meta or {})[mcp_tasks.PROBLEM_META]
+    assert problem["type"] == "urn:tool-proxy:problem:outcome-unknown"
+    assert unknown.error.code == mcp.OUTCOME_UNKNOWN
+    assert tool.arrived[f"deploy:{sent}"] == 1  # never sent again
