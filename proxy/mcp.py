@@ -31,6 +31,8 @@ and is recorded, and the retry gets its result.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
 import json
@@ -116,6 +118,8 @@ MAX_KNOWN_TOOLS = 10_000
 _FORM_HEADER = b"tool-proxy-mcp-form"
 _SESSION = b"mcp-session-id"
 _VERSION = b"mcp-protocol-version"
+_METHOD = b"mcp-method"
+_NAME = b"mcp-name"
 _PROBLEM = MEDIA_TYPE.encode()
 
 RequestId = str | int | None
@@ -307,7 +311,7 @@ class McpView:
             return Handled(reply, Outcome.REJECTED)
         session = _header(request, _SESSION)
         if call is not None and self.guards(call.name):
-            unsupported = unsupported_version(request, call)
+            unsupported = unsupported_version(request, call) or header_mismatch(request, call)
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
                 return Handled(unsupported, Outcome.REJECTED)
             if self.tasks is not None:  # a task, or a call run on the route's workers
@@ -846,6 +850,41 @@ def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
         status=400,
         data=data,
     )
+
+
+def header_mismatch(request: Incoming, call: ToolCall) -> Reply | None:
+    """The 400 answer (-32020) to a guarded call whose 2026-07-28 routing headers, where
+    sent, disagree with its body: ``Mcp-Method`` is not ``tools/call``, or ``Mcp-Name``
+    (decoded from its ``=?base64?...?=`` form) is not the tool's name. The proxy keys,
+    limits and locks by the body; a server routing by the headers would run another
+    tool. None if they agree (or are absent: the server's to require)."""
+    methods = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _METHOD}
+    names = {_decoded(v.decode("latin-1")) for k, v in request.scope["headers"] if k == _NAME}
+    if methods <= {"tools/call"} and names <= {call.name}:
+        return None
+    header = "Mcp-Method" if not methods <= {"tools/call"} else "Mcp-Name"
+    return error_reply(
+        call.id,
+        HEADER_MISMATCH,
+        f"Bad Request: the {header} header does not match the request body (tools/call "
+        f"of {call.name!r}); the call was not sent",
+        status=400,
+    )
+
+
+def _decoded(value: str) -> str | None:
+    """A 2026-07-28 header value: as sent, or UTF-8 from its ``=?base64?...?=`` form (None
+    if that form is malformed: it matches nothing)."""
+    if not (value.startswith("=?base64?") and value.endswith("?=")):
+        return value
+    payload = value[len("=?base64?") : -2]
+    try:
+        decoded = base64.b64decode(payload, validate=True)
+        if base64.b64encode(decoded).decode("ascii") != payload:
+            return None
+        return decoded.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
 
 
 # -- reading answers ------------------------------------------------------------------

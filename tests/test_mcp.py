@@ -787,6 +787,45 @@ def test_a_revision_stated_in_the_request_must_be_supported_and_match_the_header
     assert mcp_tool.executions[who] == 0
 
 
+@pytest.mark.parametrize(
+    ("headers", "refused"),
+    [
+        ({"Mcp-Method": "tools/list"}, True),
+        ({"Mcp-Method": "tools/call", "Mcp-Name": "refund"}, True),
+        ({"Mcp-Name": "=?base64?not base64?="}, True),
+        ({"Mcp-Method": "tools/call", "Mcp-Name": "=?base64?Y2hhcmdl?="}, False),  # "charge"
+    ],
+)
+def test_routing_headers_that_disagree_with_the_body_are_refused_before_the_claim(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, headers: dict[str, str], refused: bool
+) -> None:
+    """2026-07-28's Mcp-Method and Mcp-Name: the proxy guards by the body, so a guarded
+    call whose headers name another method or tool is refused (400, -32020), nothing
+    claimed or sent; headers that agree (base64 form decoded) pass."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 3}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = raw.post(
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call}, **headers
+        )
+        again = raw.post({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": call})
+    if refused:
+        assert answer.status_code == 400
+        assert answer.json()["error"]["code"] == mcp.HEADER_MISMATCH
+        assert "idempotent-replayed" not in again.headers  # nothing was claimed: it runs
+    else:
+        assert "result" in message_of(answer)
+        assert again.headers["idempotent-replayed"] == "true"
+    assert mcp_tool.executions[who] == 1
+
+
 def test_the_newest_revision_passes_the_proxy_and_the_server_answers_it(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
