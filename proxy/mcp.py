@@ -171,6 +171,10 @@ class Tasks(Protocol):
     ) -> Handled | None:
         """A ``tasks/*`` request about one of the proxy's tasks; None: the server's."""
 
+    async def initialized(self, exchange: Exchange, body: bytes) -> Response:
+        """An ``initialize`` forwarded, its answer saying the server (the proxy) makes
+        tasks of ``tools/call``."""
+
 
 class Messages(Protocol):
     """What is given the messages of an SSE answer other than its result (``Progress``)."""
@@ -326,6 +330,8 @@ class McpView:
                 return handled
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
+        if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
+            return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
         if self.learns and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC

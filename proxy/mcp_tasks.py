@@ -31,7 +31,7 @@ from typing import Any
 from mcp import types
 from starlette.responses import Response, StreamingResponse
 
-from proxy.asgi import SSE, Incoming, RawHeaders
+from proxy.asgi import SSE, Incoming, RawHeaders, Reply
 from proxy.errors import (
     OperationConflict,
     ProxyError,
@@ -49,8 +49,10 @@ from proxy.mcp import (
     ToolCall,
     _body,
     _code,
+    _content_type,
     _error_response,
     _event,
+    _final_response,
     _framed,
     _problem_message,
     _wants_sse,
@@ -197,6 +199,29 @@ class McpTasks:
         job_id = None if record is None else job_id_of(record.owner)
         job = None if job_id is None else await self.jobs.queue.get(job_id)
         return job if job is not None and self._owns(job, principal) else None
+
+    # -- initialize ----------------------------------------------------------------------
+
+    async def initialized(self, exchange: Exchange, body: bytes) -> Response:
+        """The server's ``initialize`` answer, its capabilities with ``tasks`` (list,
+        cancel, ``tools/call``): clients that check them before asking for a task ask."""
+        upstream = await exchange.forward(body)
+        raw = await upstream.read()
+        form = _content_type(upstream.headers)
+        answer = _final_response(raw, form) if upstream.status == 200 else None
+        kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
+        if not isinstance(answer, types.JSONRPCResponse):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        capabilities = answer.result.setdefault("capabilities", {})
+        if isinstance(capabilities, dict):
+            tasks = capabilities.setdefault("tasks", {})
+            if isinstance(tasks, dict):
+                tasks.setdefault("list", {})
+                tasks.setdefault("cancel", {})
+                tasks.setdefault("requests", {}).setdefault("tools", {}).setdefault("call", {})
+        payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+        return _framed(payload, form == SSE, kept)
 
     # -- tasks/* -------------------------------------------------------------------------
 

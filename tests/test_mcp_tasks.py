@@ -72,9 +72,16 @@ def test_a_task_augmented_call_is_the_proxys_task_run_once(
             result = await tasks.get_task_result(created.task.taskId, types.CallToolResult)
             after = await tasks.call_tool_as_task("deploy", arguments, meta=meta)
             plain = await client.call_tool("deploy", arguments, meta=meta)  # a replay
-            return created, again, working, listed, ended, result, after, plain
+            capabilities = client.get_server_capabilities()
+            return created, again, working, listed, ended, result, after, plain, capabilities
 
-    created, again, working, listed, ended, result, after, plain = asyncio.run(scenario())
+    created, again, working, listed, ended, result, after, plain, capabilities = asyncio.run(
+        scenario()
+    )
+    assert capabilities is not None and capabilities.tasks is not None  # the proxy's, added
+    assert capabilities.tasks.requests and capabilities.tasks.requests.tools
+    assert capabilities.tasks.requests.tools.call is not None
+    assert capabilities.tools is not None  # the server's own, kept
     task_id = created.task.taskId
     assert created.task.status == "working"
     assert created.task.ttl and created.task.pollInterval == 1000
