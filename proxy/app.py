@@ -58,6 +58,7 @@ from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
 from proxy.mcp import McpView
 from proxy.mcp_tasks import Followers, McpTasks
+from proxy.mcp_tools import SharedTools
 from proxy.metrics import Metrics
 from proxy.numbers import MAX_DIGITS, digits, whole
 from proxy.offload import Offload
@@ -211,7 +212,7 @@ class Proxy:
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
         self.mcp = {
-            r.name: McpView(r, self.guards.get(r.name))
+            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
             for r in config.routes
             if r.protocol is RouteProtocol.MCP
         }

@@ -79,6 +79,7 @@ from proxy.keys import (
     parse_json,
     parse_opaque,
 )
+from proxy.mcp_tools import SharedTools
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -242,7 +243,9 @@ TRANSPORT_REFUSALS = frozenset({400, 401, 403, 404, 405, 406, 415})
 class McpView:
     """The MCP view of one route: which calls are guarded, and what tools it knows."""
 
-    def __init__(self, route: RouteConfig, guard: Guard | None) -> None:
+    def __init__(
+        self, route: RouteConfig, guard: Guard | None, shared: SharedTools | None = None
+    ) -> None:
         self.route = route
         self.config = route.mcp or McpConfig()
         self.guard = guard
@@ -257,6 +260,8 @@ class McpView:
         """True if the tools' annotations are read from the ``tools/list`` answers."""
         self.hints: dict[str, Hints] = {}
         """Tool name → what its annotations say (when ``learns``)."""
+        self.shared = shared if self.learns else None
+        """The annotations every replica learnt, in the store (``mcp_tools.py``)."""
         idempotency = route.idempotency
         self.canonicalization = (
             Canonicalization.JCS if idempotency is None else idempotency.canonicalization
@@ -314,6 +319,8 @@ class McpView:
             reply = error_reply(exc.id, exc.code, exc.message, status=status, data=exc.data)
             return Handled(reply, Outcome.REJECTED)
         session = _header(request, _SESSION)
+        if call is not None and self.shared is not None and call.name not in self.hints:
+            self._known(await self.shared.recall())  # another replica may have listed it
         if call is not None and self.guards(call.name):
             unsupported = unsupported_version(request, call) or header_mismatch(request, call)
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
@@ -362,19 +369,32 @@ class McpView:
         raw = await upstream.read()
         if upstream.status == 200:
             answer = _final_response(raw, _content_type(upstream.headers))
-            if isinstance(answer, types.JSONRPCResponse):
-                self._learn(answer.result)
+            if isinstance(answer, types.JSONRPCResponse) and self._learn(answer.result):
+                await self._share()
         headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
         return Reply(upstream.status, headers, raw)
 
-    def _learn(self, result: dict[str, Any]) -> None:
+    def _learn(self, result: dict[str, Any]) -> bool:
         try:
             listed = types.ListToolsResult.model_validate(result)
         except ValidationError:
-            return
+            return False
         for tool in listed.tools:
             if tool.name in self.hints or len(self.hints) < MAX_KNOWN_TOOLS:
                 self.hints[tool.name] = Hints.of(tool.annotations)
+        return True
+
+    async def _share(self) -> None:
+        """Tell the other replicas (through the store) what this one learnt."""
+        if self.shared is not None:
+            hints = {n: (h.read_only, h.idempotent) for n, h in self.hints.items()}
+            await self.shared.remember(hints)
+
+    def _known(self, shared: dict[str, tuple[bool, bool]]) -> None:
+        """Learn what other replicas learnt, for the tools this one has not seen listed."""
+        for name, (read_only, idempotent) in shared.items():
+            if name not in self.hints and len(self.hints) < MAX_KNOWN_TOOLS:
+                self.hints[name] = Hints(read_only, idempotent)
 
     async def _guarded(
         self,

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -278,6 +279,29 @@ def test_annotated_guards_only_tools_with_side_effects(
     assert unknown.error.code == mcp.KEY_MISSING
     assert "params._meta.idempotencyKey" in unknown.error.message
     assert mcp_tool.executions[f"balance:{who}"] == 2
+
+
+def test_annotations_learnt_by_one_replica_guard_calls_on_another(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, tmp_path: Path
+) -> None:
+    """Two replicas on one store: the tools/list answer that passed replica a makes the
+    read-only tool unguarded on replica b too (no key needed), the others still guarded."""
+    store = f"sqlite:///{tmp_path / 'shared.db'}"
+    spec = mcp_route(mcp_tool.url, guard="annotated", required=True)
+    a, b = make_proxy(spec, store=store), make_proxy(spec, store=store)
+    who = account()
+
+    async def scenario() -> McpError:
+        async with session(a.url + "/mcp") as client:
+            await client.list_tools()
+        async with session(b.url + "/mcp") as client:
+            await client.call_tool("balance", {"account": who})  # read-only, learnt by a
+            with pytest.raises(McpError) as guarded:
+                await client.call_tool("charge", {"account": who, "cents": 1})
+            return guarded.value
+
+    assert asyncio.run(scenario()).error.code == mcp.KEY_MISSING
+    assert mcp_tool.executions[f"balance:{who}"] == 1
 
 
 def test_guarded_tools_may_be_named(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
