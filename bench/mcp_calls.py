@@ -10,7 +10,10 @@ own; this process is the client (httpx, one keep-alive connection, one call at a
 - **replay**: through the proxy, one key executed once before: every call a replay with
   its own ``id``;
 - **cache-hit**: through a second route with the response cache (``cache.tools``), the
-  same call without a key, answered from the cache with its own ``id`` after the first.
+  same call without a key, answered from the cache with its own ``id`` after the first;
+- **task**: through a third route with ``async``, a new key per call with ``params.task``:
+  the time to the proxy's ``CreateTaskResult`` (the job kept in the store and queued; the
+  route's workers run the calls meanwhile, in the same process).
 
     .venv/bin/python bench/mcp_calls.py [--calls N] [--rounds R]
 
@@ -74,7 +77,9 @@ def serve_proxy(port: int, upstream: str) -> None:
         "protocol": "mcp",
         "cache": {"scope": "route", "tools": ["charge"]},
     }
-    routes = [route, cached]
+    tasks = {**route, "name": "tasks", "path_prefix": "/tasks", "strip_prefix": True}
+    tasks["async"] = {"mode": "prefer"}
+    routes = [route, cached, tasks]
     state = tempfile.mkdtemp()
     config = parse_config({"store": {"url": "memory://"}, "routes": routes, "state_dir": state})
     uvicorn.run(create_app(config), host="127.0.0.1", port=port, log_level="warning")
@@ -88,12 +93,16 @@ def _call(http: httpx.Client, url: str, n: int, key: str | None) -> float:
     params: dict[str, Any] = {"name": "charge", "arguments": ARGUMENTS}
     if key is not None:
         params["_meta"] = {"idempotencyKey": key}
+    task = "/tasks/" in url
+    if task:
+        params["task"] = {"ttl": 60000}
     message = {"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": params}
     started = time.perf_counter()
     answer = http.post(url, content=json.dumps(message), headers=HEADERS)
     seconds = time.perf_counter() - started
     result = answer.json()
-    if answer.status_code != 200 or result.get("id") != n or "result" not in result:
+    answered = "result" in result and (not task or "task" in result["result"])
+    if answer.status_code != 200 or result.get("id") != n or not answered:
         raise SystemExit(f"unexpected answer: {answer.status_code} {answer.text[:200]}")
     return seconds
 
@@ -127,6 +136,7 @@ def measure(calls: int, rounds: int) -> dict[str, tuple[float, float, float]]:
             "first-exec": (proxied, None),
             "replay": (proxied, lambda n: "bench-replay"),
             "cache-hit": (cached, lambda n: None),
+            "task": (f"http://127.0.0.1:{proxy_port}/tasks/mcp", None),
         }
         results: dict[str, tuple[float, float, float]] = {}
         with httpx.Client(timeout=10) as http:

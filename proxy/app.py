@@ -57,6 +57,8 @@ from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
 from proxy.mcp import McpView
+from proxy.mcp_tasks import Followers, McpTasks
+from proxy.mcp_tools import SharedTools
 from proxy.metrics import Metrics
 from proxy.numbers import MAX_DIGITS, digits, whole
 from proxy.offload import Offload
@@ -210,7 +212,7 @@ class Proxy:
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
         self.mcp = {
-            r.name: McpView(r, self.guards.get(r.name))
+            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
             for r in config.routes
             if r.protocol is RouteProtocol.MCP
         }
@@ -237,6 +239,19 @@ class Proxy:
                 for r in config.routes
                 if r.runs_jobs()
             }
+        self.mcp_tasks = self._mcp_tasks()
+
+    def _mcp_tasks(self) -> dict[str, McpTasks]:
+        """The proxy's own MCP tasks, on each ``protocol: mcp`` route with jobs."""
+        followers = Followers()
+        tasks = {
+            name: McpTasks(view, self.jobs[name], followers)
+            for name, view in self.mcp.items()
+            if name in self.jobs
+        }
+        for name, made in tasks.items():
+            self.mcp[name].tasks = made
+        return tasks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI entry for every proxied request; logs one ``request`` event."""
@@ -370,8 +385,11 @@ class Proxy:
         identity: str,
         fence: Fence,
     ) -> Forward:
-        """A job's send (``jobs.Forwarder``): a guarded call's, as if it came now."""
-        return self._forward(request, route, body, principal, identity, fence)[0]
+        """A job's send (``jobs.Forwarder``): a guarded call's, as if it came now (on an
+        MCP route, its answer read as a guarded call's)."""
+        forward = self._forward(request, route, body, principal, identity, fence)[0]
+        tasks = self.mcp_tasks.get(route.name)
+        return forward if tasks is None else tasks.deferred(forward, request, body, principal)
 
     def sender(
         self,

@@ -768,8 +768,6 @@ class RouteConfig(_Strict):
             return self
         if self.idempotency is None:
             raise ValueError("async: needs idempotency (a job concludes the call's record)")
-        if self.protocol is RouteProtocol.MCP:
-            raise ValueError("async: not on protocol: mcp routes (MCP has tasks of its own)")
         if self.async_.visibility >= self.idempotency.lock_ttl:
             raise ValueError(
                 "async.visibility must be below idempotency.lock_ttl (a job whose worker "

@@ -329,6 +329,15 @@ class RouteJobs:
         """The 202 (or the answer, within ``how.wait``) of a new job, or of the job that
         already holds this key; None if the key's record is no job's (the caller is
         answered as for a live call: a replay, or a 409)."""
+        job = await self.enter(op, request, body, principal, identity)
+        return None if job is None else await self._answer(job, op, how)
+
+    async def enter(
+        self, op: Operation, request: Incoming, body: bytes, principal: str, identity: str
+    ) -> Job | None:
+        """A new job for this key (its request kept in the queue), or the job that
+        already holds it, not ended; None if the key's record is no job's in progress
+        (a live call's, or an ended one)."""
         job_id = secrets.token_urlsafe(18)
         owner = JOB_OWNER + job_id
         for _ in range(2):
@@ -344,7 +353,7 @@ class RouteJobs:
                     return None
                 continue
             if job.state not in NEVER_RAN:
-                return await self._answer(job, op, how)
+                return job
             if not await self._release_never_ran(job.id, op.key, record.owner):
                 return None
         else:
@@ -356,7 +365,7 @@ class RouteJobs:
             raise
         self._wake.set()
         self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
-        return await self._answer(job, op, how)
+        return job
 
     async def _release_unqueued(self, op: Operation, record: Record) -> bool:
         """Release a key claimed for a job that was never queued (its submitter failed, or

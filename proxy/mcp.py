@@ -31,6 +31,8 @@ and is recorded, and the retry gets its result.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
 import json
@@ -77,6 +79,7 @@ from proxy.keys import (
     parse_json,
     parse_opaque,
 )
+from proxy.mcp_tools import SharedTools
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -116,6 +119,8 @@ MAX_KNOWN_TOOLS = 10_000
 _FORM_HEADER = b"tool-proxy-mcp-form"
 _SESSION = b"mcp-session-id"
 _VERSION = b"mcp-protocol-version"
+_METHOD = b"mcp-method"
+_NAME = b"mcp-name"
 _PROBLEM = MEDIA_TYPE.encode()
 
 RequestId = str | int | None
@@ -124,6 +129,9 @@ RequestId = str | int | None
 
 class Exchange(Protocol):
     """The proxy's side of one request on an MCP route (tokens, policies, the upstream)."""
+
+    identity: str
+    """The caller's identity digest (downstream tokens), "" without ``auth``."""
 
     def read(self) -> Awaitable[bytes]:
         """The whole request body (within limits.max_body_bytes)."""
@@ -149,6 +157,34 @@ class Exchange(Protocol):
 
     def lookup(self) -> Lookup | None:
         """The route's reconcile look-up for this caller, if it has one."""
+
+
+class Tasks(Protocol):
+    """The tasks the proxy itself makes on a route with ``async`` (``mcp_tasks.py``)."""
+
+    async def call(
+        self, request: Incoming, exchange: Exchange, principal: str, call: ToolCall, body: bytes
+    ) -> Handled | None:
+        """A guarded ``tools/call`` run on the route's workers; None: a live call."""
+
+    async def answer(
+        self, request: Incoming, message: types.JSONRPCRequest, principal: str
+    ) -> Handled | None:
+        """A ``tasks/*`` request about one of the proxy's tasks; None: the server's."""
+
+    async def initialized(self, exchange: Exchange, body: bytes) -> Response:
+        """An ``initialize`` forwarded, its answer saying the server (the proxy) makes
+        tasks of ``tools/call``."""
+
+
+class Messages(Protocol):
+    """What is given the messages of an SSE answer other than its result (``Progress``)."""
+
+    def start(self) -> None:
+        """The answer is an SSE stream."""
+
+    def event(self, data: bytes) -> None:
+        """One message of the server that is not the call's result."""
 
 
 @dataclass(slots=True)
@@ -207,7 +243,9 @@ TRANSPORT_REFUSALS = frozenset({400, 401, 403, 404, 405, 406, 415})
 class McpView:
     """The MCP view of one route: which calls are guarded, and what tools it knows."""
 
-    def __init__(self, route: RouteConfig, guard: Guard | None) -> None:
+    def __init__(
+        self, route: RouteConfig, guard: Guard | None, shared: SharedTools | None = None
+    ) -> None:
         self.route = route
         self.config = route.mcp or McpConfig()
         self.guard = guard
@@ -222,15 +260,19 @@ class McpView:
         """True if the tools' annotations are read from the ``tools/list`` answers."""
         self.hints: dict[str, Hints] = {}
         """Tool name → what its annotations say (when ``learns``)."""
+        self.shared = shared if self.learns else None
+        """The annotations every replica learnt, in the store (``mcp_tools.py``)."""
         idempotency = route.idempotency
         self.canonicalization = (
             Canonicalization.JCS if idempotency is None else idempotency.canonicalization
         )
         release = self.policy.release_on_status if self.policy is not None else ()
-        self._not_run = TRANSPORT_REFUSALS | frozenset(release)
+        self.not_run = TRANSPORT_REFUSALS | frozenset(release)
         """HTTP statuses of a tools/call answer that say the tool was not called."""
         self.answer_bound = answer_bound(self.config, guard)
         """The most of a guarded call's answer held while it is read whole."""
+        self.tasks: Tasks | None = None
+        """The proxy's own tasks, on a route with ``async`` (set once its jobs exist)."""
 
     def guards(self, tool: str) -> bool:
         """True if ``tools/call`` of ``tool`` is guarded on this route."""
@@ -277,13 +319,26 @@ class McpView:
             reply = error_reply(exc.id, exc.code, exc.message, status=status, data=exc.data)
             return Handled(reply, Outcome.REJECTED)
         session = _header(request, _SESSION)
+        if call is not None and self.shared is not None and call.name not in self.hints:
+            self._known(await self.shared.recall())  # another replica may have listed it
         if call is not None and self.guards(call.name):
-            unsupported = unsupported_version(request, call)
+            unsupported = unsupported_version(request, call) or header_mismatch(request, call)
             if unsupported is not None:  # the transport spec's 400; nothing claimed or sent
                 return Handled(unsupported, Outcome.REJECTED)
+            if self.tasks is not None:  # a task, or a call run on the route's workers
+                handled = await self.tasks.call(request, exchange, principal, call, body)
+                if handled is not None:
+                    return handled
             return await self._guarded(request, exchange, principal, session, call, body)
+        if self.tasks is not None and _is_task_request(message):  # the proxy's, or the server's
+            assert isinstance(message, types.JSONRPCRequest)
+            handled = await self.tasks.answer(request, message, principal)
+            if handled is not None:
+                return handled
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
+        if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
+            return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
         if self.learns and _is_request(message, "tools/list"):  # learn the annotations
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
@@ -314,19 +369,32 @@ class McpView:
         raw = await upstream.read()
         if upstream.status == 200:
             answer = _final_response(raw, _content_type(upstream.headers))
-            if isinstance(answer, types.JSONRPCResponse):
-                self._learn(answer.result)
+            if isinstance(answer, types.JSONRPCResponse) and self._learn(answer.result):
+                await self._share()
         headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
         return Reply(upstream.status, headers, raw)
 
-    def _learn(self, result: dict[str, Any]) -> None:
+    def _learn(self, result: dict[str, Any]) -> bool:
         try:
             listed = types.ListToolsResult.model_validate(result)
         except ValidationError:
-            return
+            return False
         for tool in listed.tools:
             if tool.name in self.hints or len(self.hints) < MAX_KNOWN_TOOLS:
                 self.hints[tool.name] = Hints.of(tool.annotations)
+        return True
+
+    async def _share(self) -> None:
+        """Tell the other replicas (through the store) what this one learnt."""
+        if self.shared is not None:
+            hints = {n: (h.read_only, h.idempotent) for n, h in self.hints.items()}
+            await self.shared.remember(hints)
+
+    def _known(self, shared: dict[str, tuple[bool, bool]]) -> None:
+        """Learn what other replicas learnt, for the tools this one has not seen listed."""
+        for name, (read_only, idempotent) in shared.items():
+            if name not in self.hints and len(self.hints) < MAX_KNOWN_TOOLS:
+                self.hints[name] = Hints(read_only, idempotent)
 
     async def _guarded(
         self,
@@ -354,7 +422,7 @@ class McpView:
 
         async def forward() -> UpstreamResponse:
             sent = await exchange.forward(body, fence=fence, policies=True, call=cached)
-            return await read_answer(sent, call.id, self._not_run, self.answer_bound, progress)
+            return await read_answer(sent, call.id, self.not_run, self.answer_bound, progress)
 
         attempt = self._attempt(op, forward, fence, exchange.lookup())
         if progress is None:  # JSON only: the answer once it is had whole
@@ -586,6 +654,10 @@ def _event(data: bytes) -> bytes:
     return b"event: message\ndata: " + data + b"\n\n"
 
 
+def _is_task_request(message: object) -> bool:
+    return isinstance(message, types.JSONRPCRequest) and message.method.startswith("tasks/")
+
+
 def _is_request(message: object, method: str) -> bool:
     return isinstance(message, types.JSONRPCRequest) and message.method == method
 
@@ -806,6 +878,41 @@ def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
     )
 
 
+def header_mismatch(request: Incoming, call: ToolCall) -> Reply | None:
+    """The 400 answer (-32020) to a guarded call whose 2026-07-28 routing headers, where
+    sent, disagree with its body: ``Mcp-Method`` is not ``tools/call``, or ``Mcp-Name``
+    (decoded from its ``=?base64?...?=`` form) is not the tool's name. The proxy keys,
+    limits and locks by the body; a server routing by the headers would run another
+    tool. None if they agree (or are absent: the server's to require)."""
+    methods = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _METHOD}
+    names = {_decoded(v.decode("latin-1")) for k, v in request.scope["headers"] if k == _NAME}
+    if methods <= {"tools/call"} and names <= {call.name}:
+        return None
+    header = "Mcp-Method" if not methods <= {"tools/call"} else "Mcp-Name"
+    return error_reply(
+        call.id,
+        HEADER_MISMATCH,
+        f"Bad Request: the {header} header does not match the request body (tools/call "
+        f"of {call.name!r}); the call was not sent",
+        status=400,
+    )
+
+
+def _decoded(value: str) -> str | None:
+    """A 2026-07-28 header value: as sent, or UTF-8 from its ``=?base64?...?=`` form (None
+    if that form is malformed: it matches nothing)."""
+    if not (value.startswith("=?base64?") and value.endswith("?=")):
+        return value
+    payload = value[len("=?base64?") : -2]
+    try:
+        decoded = base64.b64decode(payload, validate=True)
+        if base64.b64encode(decoded).decode("ascii") != payload:
+            return None
+        return decoded.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
 # -- reading answers ------------------------------------------------------------------
 
 
@@ -831,7 +938,7 @@ async def read_answer(
     id: str | int,
     not_run: frozenset[int] = frozenset(),
     bound: int = DEFAULT_MAX_ANSWER_BYTES,
-    progress: Progress | None = None,
+    progress: Messages | None = None,
 ) -> UpstreamResponse:
     """The tool server's answer to a guarded call, as it is recorded: its final JSON-RPC
     response as JSON. ``McpRefused`` (the key is released) for an HTTP status that says the
@@ -953,7 +1060,7 @@ async def _read_bounded(upstream: UpstreamResponse, bound: int) -> bytes:
 
 
 async def _final_event(
-    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Progress | None = None
+    upstream: UpstreamResponse, id: RequestId, bound: int, progress: Messages | None = None
 ) -> bytes | None:
     """The data of the SSE stream's last event that holds the response to ``id``, read as
     the stream arrives: other events (progress, the server's requests) are dropped once

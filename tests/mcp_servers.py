@@ -33,10 +33,13 @@ class McpTool:
     """A FastMCP server on a thread: ``charge`` counts per account, ``balance`` is
     read-only, ``refund`` fails with an ``isError`` result (and counts too); ``transfer``
     sees overlaps and fencing tokens, ``report`` answers large, ``chatty`` sends much
-    progress, ``whoami`` shows the Authorization it got."""
+    progress, ``deploy`` is slow (progress around the ``gate``), ``whoami`` shows the
+    Authorization it got."""
 
     def __init__(self, *, json_response: bool, resumable: bool = False) -> None:
         self.executions: Counter[str] = Counter()
+        self.arrived: Counter[str] = Counter()
+        """Calls of ``deploy`` that reached the tool (counted before they wait)."""
         self.running: Counter[str] = Counter()
         self.overlap: Counter[str] = Counter()
         """The most transfers of one account that ran at once."""
@@ -121,6 +124,17 @@ class McpTool:
                 return f"kept {account}"
             self.executions[f"close:{account}"] += 1
             return f"closed {account}"
+
+        @server.tool()
+        async def deploy(account: str, ctx: Context) -> str:  # type: ignore[type-arg]
+            """A slow call: progress, then waits while ``gate`` is shut, progress, counts."""
+            self.arrived[f"deploy:{account}"] += 1
+            await ctx.report_progress(0, 2, "started")
+            await anyio.to_thread.run_sync(self.gate.wait, 30)
+            await ctx.report_progress(1, 2, "almost")
+            self.executions[f"deploy:{account}"] += 1
+            self.finished[f"deploy:{account}"].set()
+            return f"deployed {account} (#{self.executions[f'deploy:{account}']})"
 
         @server.tool()
         def whoami(account: str, ctx: Context) -> str:  # type: ignore[type-arg]

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -278,6 +279,29 @@ def test_annotated_guards_only_tools_with_side_effects(
     assert unknown.error.code == mcp.KEY_MISSING
     assert "params._meta.idempotencyKey" in unknown.error.message
     assert mcp_tool.executions[f"balance:{who}"] == 2
+
+
+def test_annotations_learnt_by_one_replica_guard_calls_on_another(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, tmp_path: Path
+) -> None:
+    """Two replicas on one store: the tools/list answer that passed replica a makes the
+    read-only tool unguarded on replica b too (no key needed), the others still guarded."""
+    store = f"sqlite:///{tmp_path / 'shared.db'}"
+    spec = mcp_route(mcp_tool.url, guard="annotated", required=True)
+    a, b = make_proxy(spec, store=store), make_proxy(spec, store=store)
+    who = account()
+
+    async def scenario() -> McpError:
+        async with session(a.url + "/mcp") as client:
+            await client.list_tools()
+        async with session(b.url + "/mcp") as client:
+            await client.call_tool("balance", {"account": who})  # read-only, learnt by a
+            with pytest.raises(McpError) as guarded:
+                await client.call_tool("charge", {"account": who, "cents": 1})
+            return guarded.value
+
+    assert asyncio.run(scenario()).error.code == mcp.KEY_MISSING
+    assert mcp_tool.executions[f"balance:{who}"] == 1
 
 
 def test_guarded_tools_may_be_named(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
@@ -785,6 +809,45 @@ def test_a_revision_stated_in_the_request_must_be_supported_and_match_the_header
     assert answer.status_code == 400
     assert answer.json()["error"]["code"] == code
     assert mcp_tool.executions[who] == 0
+
+
+@pytest.mark.parametrize(
+    ("headers", "refused"),
+    [
+        ({"Mcp-Method": "tools/list"}, True),
+        ({"Mcp-Method": "tools/call", "Mcp-Name": "refund"}, True),
+        ({"Mcp-Name": "=?base64?not base64?="}, True),
+        ({"Mcp-Method": "tools/call", "Mcp-Name": "=?base64?Y2hhcmdl?="}, False),  # "charge"
+    ],
+)
+def test_routing_headers_that_disagree_with_the_body_are_refused_before_the_claim(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, headers: dict[str, str], refused: bool
+) -> None:
+    """2026-07-28's Mcp-Method and Mcp-Name: the proxy guards by the body, so a guarded
+    call whose headers name another method or tool is refused (400, -32020), nothing
+    claimed or sent; headers that agree (base64 form decoded) pass."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    arguments = {"account": who, "cents": 3}
+    call = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        answer = raw.post(
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call}, **headers
+        )
+        again = raw.post({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": call})
+    if refused:
+        assert answer.status_code == 400
+        assert answer.json()["error"]["code"] == mcp.HEADER_MISMATCH
+        assert "idempotent-replayed" not in again.headers  # nothing was claimed: it runs
+    else:
+        assert "result" in message_of(answer)
+        assert again.headers["idempotent-replayed"] == "true"
+    assert mcp_tool.executions[who] == 1
 
 
 def test_the_newest_revision_passes_the_proxy_and_the_server_answers_it(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,6 +230,33 @@ def test_a_client_that_times_out_gets_in_progress_then_the_replay(
     replayed = until_recorded(proxy.url + "/mcp", hold)
 
     assert text(replayed) == f"held {who} (#1)"
+    assert server2.executions()[f"hold:{who}"] == 1
+
+
+def test_on_an_async_route_callers_of_one_key_follow_the_same_job(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """``async: {mode: always}``: every guarded call runs on the route's workers, and its
+    caller follows the job over an SSE stream the proxy opens at once: a client whose read
+    timeout (0.5 s) is far shorter than the call keeps waiting, and a second client with
+    the same key follows the same job. Both get the one execution's result."""
+    route = {**mcp_route(server2.url), "async": {"mode": "always", "visibility": "1s"}}
+    proxy = make_proxy(route)
+    who = account()
+    hold = {"tool": "hold", "arguments": {"account": who}, "key": new_key({"account": who})}
+    answers: list[dict[str, Any]] = []
+    clients = [
+        threading.Thread(target=lambda c=call: answers.extend(sessions(proxy.url + "/mcp", [c])))
+        for call in ({**hold, "timeout": 0.5}, hold)
+    ]
+    for client in clients:
+        client.start()
+    time.sleep(3)  # both wait on the job, past the first one's read timeout
+    assert all(client.is_alive() for client in clients)
+    httpx.post(f"{server2.url}/open", params={"account": who})
+    for client in clients:
+        client.join(30)
+    assert [text(answer["results"][0]) for answer in answers] == [f"held {who} (#1)"] * 2
     assert server2.executions()[f"hold:{who}"] == 1
 
 

@@ -1,0 +1,484 @@
+"""MCP tasks made by the proxy: slow guarded ``tools/call`` run on the route's workers.
+
+On a ``protocol: mcp`` route with ``async``, a guarded ``tools/call`` that asks for a task
+(``params.task``, revision 2025-11-25) becomes a job of the route (``jobs.py``: the MCP
+request is the stored request, without ``params.task``). The proxy answers it at once with
+a ``CreateTaskResult`` whose task id is the job's; a worker of any replica sends the call
+to the MCP server, exactly once, and records its JSON-RPC response as for a live guarded
+call. The proxy answers ``tasks/get``, ``tasks/result``, ``tasks/cancel`` and
+``tasks/list`` for its own tasks, to the principal that made them; to anyone else (and for
+any other task id: the server's own tasks) they pass through to the server.
+
+A guarded call that does not ask for a task, on a route whose ``async`` runs calls on
+workers without being asked (``mode: always``, or ``after``), is a job too, followed by
+its caller: over SSE its answer stream is kept alive (comments) and carries the tool's
+progress notifications (with the caller's own ``progressToken``) until the result. A retry
+of the same key while the job runs follows the same job: never a second execution.
+
+    job          queued, running   completed                        failed, dead   cancelled
+    task status  working           completed (failed: isError, or   failed         cancelled
+                                   a JSON-RPC error)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from mcp import types
+from starlette.responses import Response, StreamingResponse
+
+from proxy.asgi import SSE, Incoming, RawHeaders, Reply
+from proxy.errors import (
+    OperationConflict,
+    ProxyError,
+    RequestInProgress,
+    ResponseNotStored,
+)
+from proxy.idempotency import Forward, Outcome
+from proxy.jobs import RouteJobs, asked, job_id_of
+from proxy.mcp import (
+    JSON,
+    STREAM_SECONDS,
+    Exchange,
+    Handled,
+    McpView,
+    ToolCall,
+    _body,
+    _code,
+    _content_type,
+    _error_response,
+    _event,
+    _final_response,
+    _framed,
+    _problem_message,
+    _wants_sse,
+    error_reply,
+    identify_call,
+    parse,
+    read_answer,
+    refusal,
+    render,
+    tool_call,
+)
+from proxy.records import iso
+from proxy.store import Job, JobState, RecordKey
+
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+PROGRESS_TOKEN = "tool-proxy"
+"""The progressToken of a job's call whose caller sent none (each follower gets its own)."""
+PROBLEM_META = "io.github.tool-proxy/problem"
+"""Where a failed task's status (``tasks/get``) carries the RFC 9457 document."""
+# An SSE comment sent on a followed call's stream (or a tasks/result) this often while
+# the job runs, so that idle proxies and load balancers do not close it.
+KEEP_ALIVE_SECONDS = 15.0
+# The longest a caller follows a job on one request (then -32010: send it again).
+FOLLOW_SECONDS = STREAM_SECONDS
+# Progress notifications held per follower that has not read them yet (then dropped).
+MAX_HELD_PROGRESS = 256
+# Jobs looked at per tasks/list page (the page holds this caller's tasks among them).
+LIST_PAGE = 200
+_STATUS = {
+    JobState.QUEUED: "working",
+    JobState.RUNNING: "working",
+    JobState.COMPLETED: "completed",
+    JobState.FAILED: "failed",
+    JobState.DEAD: "failed",
+    JobState.CANCELLED: "cancelled",
+}
+_PROGRESS = b'"notifications/progress"'
+
+
+class Followers:
+    """The progress of calls that this process's workers run, for the callers that follow
+    them here (by the call's record key). Within one process: a job run by another
+    replica's worker is followed without its progress."""
+
+    def __init__(self) -> None:
+        self._queues: dict[RecordKey, set[asyncio.Queue[bytes]]] = {}
+
+    def publish(self, key: RecordKey, data: bytes) -> None:
+        for queue in self._queues.get(key, ()):
+            with contextlib.suppress(asyncio.QueueFull):  # a slow follower loses progress
+                queue.put_nowait(data)
+
+    @contextlib.contextmanager
+    def follow(self, key: RecordKey) -> Iterator[asyncio.Queue[bytes]]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_HELD_PROGRESS)
+        self._queues.setdefault(key, set()).add(queue)
+        try:
+            yield queue
+        finally:
+            queues = self._queues.get(key, set())
+            queues.discard(queue)
+            if not queues:
+                self._queues.pop(key, None)
+
+
+class Relay:
+    """A job's view of its call's SSE answer (``mcp.Messages``): progress to followers."""
+
+    def __init__(self, followers: Followers, key: RecordKey) -> None:
+        self.followers = followers
+        self.key = key
+
+    def start(self) -> None:
+        return None
+
+    def event(self, data: bytes) -> None:
+        if _PROGRESS in data:  # the server's requests and logs have no one to answer them
+            self.followers.publish(self.key, data)
+
+
+class McpTasks:
+    """The proxy's tasks on one MCP route (``mcp.Tasks``), run by the route's jobs."""
+
+    def __init__(self, view: McpView, jobs: RouteJobs, followers: Followers) -> None:
+        self.view = view
+        self.jobs = jobs
+        self.followers = followers
+
+    # -- the worker's side ---------------------------------------------------------------
+
+    def deferred(self, forward: Forward, request: Incoming, body: bytes, principal: str) -> Forward:
+        """A job's send on this route: the server's answer read as a live guarded call's
+        (its JSON-RPC response is what is recorded), its progress to the followers."""
+        view = self.view
+        call = tool_call(parse(body))
+        assert view.policy is not None
+        op = identify_call(view.route.name, view.policy, view.config, request, call, principal)
+        relay = None if op is None else Relay(self.followers, op.key)
+
+        async def send() -> Any:
+            sent = await forward()
+            return await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+
+        return send
+
+    # -- tools/call ----------------------------------------------------------------------
+
+    async def call(
+        self, request: Incoming, exchange: Exchange, principal: str, call: ToolCall, body: bytes
+    ) -> Handled | None:
+        """A guarded call as a task (``params.task``), or followed on the route's workers;
+        None: answered as a live call (no key on a route that does not need one, or a
+        record that is no job's in progress)."""
+        params = json.loads(body).get("params") or {}
+        task = isinstance(params, dict) and "task" in params
+        if not task and asked(self.jobs.config, None) is None:
+            return None
+        view = self.view
+        assert view.policy is not None
+        try:
+            op = identify_call(view.route.name, view.policy, view.config, request, call, principal)
+            if op is None:
+                return None
+            sent = _stored_body(body)
+            job = await self.jobs.enter(op, request, sent, principal, exchange.identity)
+            if job is None and task:
+                job = await self._ended_job(op.key, principal)
+        except ProxyError as exc:
+            return Handled(refusal(call.id, exc), Outcome.REJECTED)
+        if job is None:
+            return None
+        accept, session = _header(request, b"accept"), _header(request, b"mcp-session-id")
+        if task:
+            created = self._reply(call.id, {"task": await self._task(job)}, accept, session)
+            return Handled(created, Outcome.ACCEPTED, op.label)
+        token = call.meta.get("progressToken")
+        response = await self._follow(job, op.key, call.id, accept, session, _retoken(token))
+        return Handled(response, Outcome.ACCEPTED, op.label)
+
+    async def _ended_job(self, key: RecordKey, principal: str) -> Job | None:
+        """The job whose outcome the key's record holds (a task asked again after it
+        ended gets the same task), if it is still kept."""
+        record = await self.jobs.store.get(key)
+        job_id = None if record is None else job_id_of(record.owner)
+        job = None if job_id is None else await self.jobs.queue.get(job_id)
+        return job if job is not None and self._owns(job, principal) else None
+
+    # -- initialize ----------------------------------------------------------------------
+
+    async def initialized(self, exchange: Exchange, body: bytes) -> Response:
+        """The server's ``initialize`` answer, its capabilities with ``tasks`` (list,
+        cancel, ``tools/call``): clients that check them before asking for a task ask."""
+        upstream = await exchange.forward(body)
+        raw = await upstream.read()
+        form = _content_type(upstream.headers)
+        answer = _final_response(raw, form) if upstream.status == 200 else None
+        kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
+        if not isinstance(answer, types.JSONRPCResponse):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        capabilities = answer.result.setdefault("capabilities", {})
+        if isinstance(capabilities, dict):
+            tasks = capabilities.setdefault("tasks", {})
+            if isinstance(tasks, dict):
+                tasks.setdefault("list", {})
+                tasks.setdefault("cancel", {})
+                tasks.setdefault("requests", {}).setdefault("tools", {}).setdefault("call", {})
+        payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+        return _framed(payload, form == SSE, kept)
+
+    # -- tasks/* -------------------------------------------------------------------------
+
+    async def answer(
+        self, request: Incoming, message: types.JSONRPCRequest, principal: str
+    ) -> Handled | None:
+        params = message.params or {}
+        try:
+            if message.method == "tasks/list":
+                return Handled(await self._list(request, message, principal), Outcome.PASSED)
+            task_id = params.get("taskId")
+            if not isinstance(task_id, str):
+                return None
+            job = await self.jobs.queue.get(task_id)
+            if job is None or not self._owns(job, principal):
+                return None  # not the proxy's (or not this caller's): the server's to answer
+            response = await self._about(request, message, job)
+        except ProxyError as exc:
+            return Handled(refusal(message.id, exc), Outcome.REJECTED)
+        return None if response is None else Handled(response, Outcome.PASSED, job.label)
+
+    async def _about(
+        self, request: Incoming, message: types.JSONRPCRequest, job: Job
+    ) -> Response | None:
+        accept, session = _header(request, b"accept"), _header(request, b"mcp-session-id")
+        if message.method == "tasks/get":
+            return self._reply(message.id, await self._task(job, problem=True), accept, session)
+        if message.method == "tasks/cancel":
+            return await self._cancel(message.id, job, accept, session)
+        if message.method == "tasks/result":
+            key = RecordKey(job.slot, job.name)
+            return await self._follow(job, key, message.id, accept, session, _no_progress, job.id)
+        return None
+
+    async def _cancel(self, id: str | int, job: Job, accept: str, session: str) -> Response:
+        if job.state.terminal:
+            return error_reply(
+                id, types.INVALID_PARAMS, f"Task {job.id} has already ended ({job.state.value})",
+                status=200,
+            )  # fmt: skip
+        cancelled = await self.jobs.cancel(job)
+        if cancelled is None:  # it was sent: it completes or fails, and is recorded
+            return refusal(
+                id,
+                OperationConflict(
+                    "the task's call was sent to the tool: it cannot be cancelled; it "
+                    "completes or fails and is recorded as usual"
+                ),
+            )
+        return self._reply(id, await self._task(cancelled), accept, session)
+
+    async def _list(
+        self, request: Incoming, message: types.JSONRPCRequest, principal: str
+    ) -> Response:
+        cursor = (message.params or {}).get("cursor") or ""
+        if not isinstance(cursor, str):
+            return error_reply(message.id, types.INVALID_PARAMS, "Invalid cursor", status=200)
+        after, jobs = await self.jobs.queue.list(None, cursor, LIST_PAGE)
+        mine = [job for job in jobs if self._owns(job, principal)]
+        result: dict[str, Any] = {"tasks": [await self._task(job) for job in mine]}
+        if after:
+            result["nextCursor"] = after
+        accept, session = _header(request, b"accept"), _header(request, b"mcp-session-id")
+        return self._reply(message.id, result, accept, session)
+
+    def _owns(self, job: Job, principal: str) -> bool:
+        return job.route == self.view.route.name and job.principal == principal
+
+    # -- what a task says ----------------------------------------------------------------
+
+    async def _task(self, job: Job, *, problem: bool = False) -> dict[str, Any]:
+        """The task's status (``Task``); ``problem``: with a failure's RFC 9457 document."""
+        status, message, doc = _STATUS[job.state], "", None
+        if job.state is JobState.COMPLETED and await self._failed_result(job):
+            status = "failed"
+            message = "the tool answered with an error (isError, or a JSON-RPC error)"
+        elif job.error and job.state in (JobState.FAILED, JobState.DEAD):
+            doc = json.loads(job.error)
+            message = str(doc.get("detail") or doc.get("title") or "")
+        elif job.state is JobState.CANCELLED:
+            message = "cancelled before it was sent: the tool was not called"
+        task: dict[str, Any] = {
+            "taskId": job.id,
+            "status": status,
+            "createdAt": iso(job.created_at),
+            "lastUpdatedAt": iso(job.updated_at),
+            "ttl": round(job.keep * 1000),
+            "pollInterval": round(self.jobs.guard.policy.retry_after * 1000),
+        }
+        if message:
+            task["statusMessage"] = message
+        if problem and doc is not None:
+            task["_meta"] = {PROBLEM_META: doc}
+        return task
+
+    async def _failed_result(self, job: Job) -> bool:
+        response = await self.jobs.result(job, first=True)
+        if response is None:
+            return False
+        answer = _message(await _body(response))
+        if isinstance(answer, types.JSONRPCError):
+            return True
+        return isinstance(answer, types.JSONRPCResponse) and answer.result.get("isError") is True
+
+    def _reply(self, id: str | int, result: dict[str, Any], accept: str, session: str) -> Response:
+        payload = json.dumps({"jsonrpc": "2.0", "id": id, "result": result}).encode()
+        extra: RawHeaders = [(b"mcp-session-id", session.encode())] if session else []
+        return _framed(payload, _wants_sse(accept, False), extra)
+
+    # -- following a job -----------------------------------------------------------------
+
+    async def _follow(
+        self,
+        job: Job,
+        key: RecordKey,
+        id: str | int,
+        accept: str,
+        session: str,
+        retoken: Retoken,
+        related: str | None = None,
+    ) -> Response:
+        """The job's answer to request ``id`` once it ends: over SSE, the stream kept alive
+        meanwhile, with the tool's progress; as JSON, once it ends (-32010 past
+        ``FOLLOW_SECONDS``). ``related``: a ``tasks/result``'s task, named in its _meta."""
+        if not _wants_sse(accept, True):
+            ended = await self._ended(job)
+            return await self._final(ended, id, related, session)
+        response = StreamingResponse(self._frames(job, key, id, retoken, related), 200)
+        extra: RawHeaders = [(b"mcp-session-id", session.encode())] if session else []
+        response.raw_headers = [
+            (b"content-type", SSE.encode()),
+            (b"cache-control", b"no-cache"),
+            *extra,
+        ]
+        return response
+
+    async def _frames(
+        self, job: Job, key: RecordKey, id: str | int, retoken: Retoken, related: str | None
+    ) -> AsyncIterator[bytes]:
+        with self.followers.follow(key) as queue:
+            ended = asyncio.ensure_future(self._ended(job))
+            try:
+                while not ended.done():
+                    taken = asyncio.ensure_future(queue.get())
+                    done, _ = await asyncio.wait(
+                        {ended, taken},
+                        timeout=KEEP_ALIVE_SECONDS,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if taken in done:
+                        data = retoken(taken.result())
+                        if data is not None:
+                            yield _event(data)
+                    else:
+                        taken.cancel()
+                    if not done:
+                        yield b": keep-alive\n\n"
+            finally:  # the caller may leave: the job goes on
+                ended.cancel()
+        final = await self._final(ended.result(), id, related, "")
+        yield _event(await _body(final))
+
+    async def _ended(self, job: Job) -> Job | None:
+        if job.state.terminal:
+            return job
+        return await self.jobs.hub.ended(job.id, FOLLOW_SECONDS)
+
+    async def _final(
+        self, job: Job | None, id: str | int, related: str | None, session: str
+    ) -> Response:
+        """The ended job's answer to request ``id``, as JSON: the recorded JSON-RPC
+        response (``related``: with the task named in its result's _meta), or the
+        proxy's JSON-RPC error for a job that ended without one."""
+        if job is None:
+            return refusal(id, _still_running())
+        recorded = None
+        if job.state in (JobState.COMPLETED, JobState.FAILED):
+            recorded = await self.jobs.result(job, first=True)
+        if recorded is not None:
+            rendered = await render(recorded, id, JSON, session, replayed=False)
+            if related is None:
+                return rendered
+            return _related(rendered, await _body(rendered), related)
+        if job.error:
+            problem = json.loads(job.error)
+            return _error_response(id, _code(problem), _problem_message(problem), problem)
+        if job.state is JobState.CANCELLED:
+            detail = f"Task {job.id} was cancelled before it was sent: the tool was not called"
+            return error_reply(id, types.INVALID_REQUEST, detail, status=200)
+        return refusal(id, ResponseNotStored("the task's result is no longer kept"))
+
+
+Retoken = Callable[[bytes], bytes | None]
+"""``(data) -> data | None``: a progress notification as one follower gets it (None: not)."""
+
+
+def _retoken(token: object) -> Retoken:
+    """Progress with the follower's own ``progressToken``; none if it asked for none."""
+
+    def retoken(data: bytes) -> bytes | None:
+        if token is None or not isinstance(token, str | int):
+            return None
+        note = json.loads(data)
+        params = note.get("params")
+        if not isinstance(params, dict):
+            return None
+        params["progressToken"] = token
+        return json.dumps(note).encode()
+
+    return retoken
+
+
+def _no_progress(data: bytes) -> bytes | None:
+    """A ``tasks/result`` stream is kept alive, without progress (the token of the task's
+    call is not known to the proxy once the call is running)."""
+    return None
+
+
+def _related(response: Response, body: bytes, task_id: str) -> Response:
+    """A ``tasks/result`` answer: the result names its task in ``_meta``."""
+    answer = json.loads(body)
+    result = answer.get("result")
+    if not isinstance(result, dict):
+        return response
+    meta = result.setdefault("_meta", {})
+    if isinstance(meta, dict):
+        meta[RELATED_TASK] = {"taskId": task_id}
+    return _framed(json.dumps(answer).encode(), False, [])
+
+
+def _message(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
+    try:
+        message = types.JSONRPCMessage.model_validate_json(body).root
+    except ValueError:
+        return None
+    return message if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) else None
+
+
+def _stored_body(body: bytes) -> bytes:
+    """The call as the MCP server gets it from a worker: without ``params.task`` (the task
+    is the proxy's), and with a ``progressToken`` (the proxy's if the caller sent none),
+    so that the server reports progress for whoever follows the job."""
+    message = json.loads(body)
+    params = message["params"]
+    params.pop("task", None)
+    meta = params.setdefault("_meta", {})
+    if isinstance(meta, dict):
+        meta.setdefault("progressToken", PROGRESS_TOKEN)
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def _still_running() -> RequestInProgress:
+    return RequestInProgress(
+        "the task is still running; send the same call with the same key again to follow it",
+        headers={"Retry-After": "1"},
+    )
+
+
+def _header(request: Incoming, name: bytes) -> str:
+    return request.header(name) or ""
