@@ -144,12 +144,15 @@ class PostgresServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}" + (f"?{tail}" if tail else "")
 
     def empty(self, dbname: str, schema: str = "tool_proxy") -> None:
-        """Delete every row of the store's tables (the schema stays: no migration per test)."""
-        with self.admin(dbname) as conn:
+        """Delete every row of the store's tables (the schema stays: no migration per test),
+        in one transaction."""
+        with self.admin(dbname) as conn, conn.transaction():
             rows = conn.execute(
                 "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename <> %s",
                 (schema, "schema_version"),
             ).fetchall()
-            if rows:
-                tables = sql.SQL(", ").join(sql.Identifier(schema, str(r[0])) for r in rows)
-                conn.execute(sql.SQL("TRUNCATE {}").format(tables))
+            deletes = [  # DELETE: TRUNCATE makes new files for every table, slower here
+                sql.SQL("DELETE FROM {}").format(sql.Identifier(schema, str(r[0]))) for r in rows
+            ]
+            if deletes:
+                conn.execute(sql.SQL("; ").join(deletes))
