@@ -95,6 +95,7 @@ class PostgresServer:
         self._run(_binary("pg_ctl"), "-D", str(self.data / "db"), "-w", "-t", "30", *args)
 
     def start(self) -> None:
+        assert self.data is not None
         options = (
             f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 -c fsync=off"
             " -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
@@ -141,7 +142,8 @@ class PostgresServer:
 
     def url(self, dbname: str, **query: str) -> str:
         tail = "&".join(f"{k}={v}" for k, v in query.items())
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}" + (f"?{tail}" if tail else "")
+        base = f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+        return f"{base}?{tail}" if tail else base
 
     def empty(self, dbname: str, schema: str = "tool_proxy") -> None:
         """Delete every row of the store's tables (the schema stays: no migration per test),

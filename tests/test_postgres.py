@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +18,7 @@ import pytest
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
-from proxy.store import RecordKey, State, make_queue
+from proxy.store import RecordKey, make_queue
 from proxy.store.postgres import (
     DEFAULT_POOL_MAX,
     MIGRATIONS,

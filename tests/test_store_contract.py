@@ -12,8 +12,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-import pytest
 import psycopg
+import pytest
 import redis
 
 from proxy.errors import StoreUnavailable

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, LiteralString, cast
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -133,11 +133,12 @@ def _seconds(query: dict[str, str], name: str, default: float) -> float:
     raw = query.get(name)
     if raw is None:
         return default
+    number, scale = (raw[:-2], 0.001) if raw.endswith("ms") else (raw.removesuffix("s"), 1.0)
     try:
-        value = float(raw.removesuffix("ms")) / 1000 if raw.endswith("ms") else float(raw.rstrip("s"))
+        value = float(number) * scale
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise ValueError(f"{name} must be a positive duration (2s, 500ms), not {raw!r}")
     return value
 
@@ -233,7 +234,7 @@ class PostgresStore:
         with _translated():
             async with asyncio.timeout(self.options.timeout):
                 async with self._pool.connection() as conn:
-                    cursor = await conn.execute(cast(LiteralString, query), [*args, self.now()])
+                    cursor = await conn.execute(query, [*args, self.now()])
                     return await cursor.fetchall()
 
     async def claim(
@@ -384,7 +385,7 @@ async def migrate(conn: psycopg.AsyncConnection[Row], schema: str) -> int:
         for version, filename in MIGRATIONS:
             if version > current:
                 text = resources.files("proxy.store").joinpath(filename).read_text()
-                await conn.execute(cast(LiteralString, text))
+                await conn.execute(text)
                 await conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version,))
         return latest
 
@@ -563,4 +564,5 @@ class PostgresQueue:
 def _job(row: Row) -> Job:
     """A job from the columns of ``jobs`` (``Job``'s order; the hold's after them)."""
     job = Job(*row[:16])
-    return replace(job, state=JobState(job.state), request=bytes(job.request), error=bytes(job.error))
+    state, request, error = JobState(job.state), bytes(job.request), bytes(job.error)
+    return replace(job, state=state, request=request, error=error)
