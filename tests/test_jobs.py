@@ -98,8 +98,11 @@ class FlakyTool:
         return Response(json.dumps({"calls": self.calls[key]}), media_type="application/json")
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("postgres_url")
+        return url
     return "memory://" if request.param == "memory" else f"sqlite://{tmp_path}/state.db"
 
 
