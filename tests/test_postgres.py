@@ -22,6 +22,7 @@ from proxy.store import RecordKey, make_queue
 from proxy.store.postgres import (
     DEFAULT_POOL_MAX,
     MIGRATIONS,
+    RECONNECT_SECONDS,
     PostgresStore,
     parse_postgres_url,
     translate,
@@ -104,10 +105,11 @@ def test_foreign_errors_are_translated() -> None:
 async def test_an_unreachable_server_is_store_unavailable_quickly() -> None:
     store = PostgresStore(f"postgresql://postgres@127.0.0.1:{free_port()}/x?pool_timeout=300ms")
     started = time.monotonic()
-    with pytest.raises(StoreUnavailable, match="postgres"):
-        await store.open()
+    await store.open()  # as with Redis: the proxy starts, and fails closed
     with pytest.raises(StoreUnavailable, match="postgres"):
         await store.get(KEY)
+    with pytest.raises(StoreUnavailable, match="postgres"):
+        await store.ping()
     await store.close()
     assert time.monotonic() - started < 5
 
@@ -140,7 +142,7 @@ async def test_a_newer_schema_is_refused_at_start_up(
         conn.execute("INSERT INTO tool_proxy.schema_version (version) VALUES (999)")
     store = PostgresStore(postgres_url)
     try:
-        with pytest.raises(StoreUnavailable, match="version 999, newer"):
+        with pytest.raises(StoreError, match="version 999, newer"):
             await store.open()
     finally:
         await store.close()
@@ -281,6 +283,31 @@ def _wait_for_a_waiting_claim(server: PostgresServer, dbname: str) -> None:
                 return
             time.sleep(0.02)
     raise AssertionError("no claim waits on the lock")
+
+
+def test_a_proxy_started_before_its_server_fails_closed_then_migrates_and_works(
+    make_proxy: ProxyFactory, tool: CountingTool, own_postgres: PostgresServer
+) -> None:
+    dbname = own_postgres.create_database()  # empty: no schema yet
+    own_postgres.kill()
+    try:
+        url = own_postgres.url(dbname, pool_timeout="300ms")
+        proxy = make_proxy(route(tool.url), store=url)
+        key = new_key(BODY)
+        headers = {"Idempotency-Key": key}
+        refused = httpx.post(f"{proxy.url}/tools/a", json=BODY, headers=headers)
+        assert refused.status_code == 503
+        assert httpx.get(f"{proxy.url}/_proxy/readyz").status_code == 503
+        assert tool.count(key) == 0
+    finally:
+        own_postgres.start()
+    started = time.monotonic()
+    while (ok := httpx.post(f"{proxy.url}/tools/a", json=BODY, headers=headers)).status_code == 503:
+        assert time.monotonic() - started < RECONNECT_SECONDS + 3, ok.text  # the pool reconnects
+        time.sleep(0.1)
+    assert ok.status_code == 200, ok.text  # the schema was applied by the first call
+    assert tool.count(key) == 1
+    own_postgres.drop_database(dbname)
 
 
 def test_a_server_restarted_and_killed_under_guarded_calls_fails_closed_and_runs_nothing_twice(

@@ -27,6 +27,7 @@ in one transaction under an advisory lock, so replicas that start together apply
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -53,6 +54,10 @@ DEFAULT_POOL_MAX = 10
 DEFAULT_POOL_TIMEOUT = 2.0
 # Seconds one call may take in all (connection, statement, answer).
 DEFAULT_TIMEOUT = 5.0
+# Seconds the pool retries a connection that fails (backing off) before it gives up; the
+# next call that needs one starts again at once. psycopg_pool's default (300 s, its delay
+# doubling) would leave a proxy failing for a minute after its server came back.
+RECONNECT_SECONDS = 2.0
 # Seconds libpq waits for a new connection, unless the URL sets connect_timeout.
 DEFAULT_CONNECT_TIMEOUT = 3
 # The schema the store's tables and functions live in, unless the URL sets schema=.
@@ -198,6 +203,8 @@ class PostgresStore:
         self._clock = clock
         self._pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Row]] | None = None
         self._queue: PostgresQueue | None = None
+        self._migrated = False
+        self._migrating = asyncio.Lock()
 
     def now(self) -> float | None:
         """The time the functions are given: None for the server's own clock."""
@@ -208,27 +215,41 @@ class PostgresStore:
         return {"autocommit": True, "prepare_threshold": prepare}
 
     async def open(self) -> None:
-        """Open the pool and bring the schema to this version; ``StoreUnavailable`` if the
-        server cannot be reached or the database has a newer schema."""
+        """Open the pool and bring the schema to this version. A server that cannot be
+        reached now is not an error (as with Redis, the proxy starts and fails closed):
+        the first call migrates then. A database whose schema is newer than this proxy's
+        raises ``StoreError``."""
         if self._pool is None:
             self._pool = psycopg_pool.AsyncConnectionPool(
                 self.options.conninfo,
                 min_size=self.options.pool_min,
                 max_size=self.options.pool_max,
                 timeout=self.options.pool_timeout,
+                reconnect_timeout=RECONNECT_SECONDS,
                 kwargs=self._connect_kwargs(),
                 open=False,
             )
             await self._pool.open(wait=False)
-        with _translated():
-            async with asyncio.timeout(self.options.timeout * 2):
-                async with self._pool.connection() as conn:
-                    await migrate(conn, self.options.schema)
+        with contextlib.suppress(StoreUnavailable):
+            await self._migrate()
+
+    async def _migrate(self) -> None:
+        assert self._pool is not None
+        async with self._migrating:
+            if self._migrated:
+                return
+            with _translated():
+                async with asyncio.timeout(self.options.timeout * 2):
+                    async with self._pool.connection() as conn:
+                        await migrate(conn, self.options.schema)
+            self._migrated = True
 
     async def call(self, function: str, args: Sequence[Any]) -> list[Row]:
         """The rows of ``schema.function(args..., now)``: one statement, one round trip."""
         if self._pool is None:
             raise StoreUnavailable("postgres store: not opened")
+        if not self._migrated:
+            await self._migrate()
         marks = ", ".join(["%s"] * (len(args) + 1))
         query = f"SELECT * FROM {self.options.schema}.{function}({marks})"
         with _translated():
@@ -378,7 +399,7 @@ async def migrate(conn: psycopg.AsyncConnection[Row], schema: str) -> int:
         current = int(row[0]) if row is not None else 0
         latest = MIGRATIONS[-1][0]
         if current > latest:
-            raise StoreUnavailable(
+            raise StoreError(
                 f"postgres store: schema {schema} is at version {current}, newer than this"
                 f" proxy's {latest}: upgrade the proxy"
             )
