@@ -270,6 +270,28 @@ def test_an_exhausted_pool_is_a_quick_503_not_a_hang(
         blocker.close()
 
 
+async def test_a_call_past_its_timeout_is_store_unavailable_and_the_pool_goes_on(
+    postgres_server: PostgresServer, postgres_database: str, postgres_url: str
+) -> None:
+    store = PostgresStore(f"{postgres_url}?pool_max=1&timeout=500ms")
+    await store.open()
+    blocker = postgres_server.admin(postgres_database)
+    blocker.execute("BEGIN")
+    blocker.execute("LOCK TABLE tool_proxy.records IN ACCESS EXCLUSIVE MODE")
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="timed out"):
+            await store.claim(KEY, "fp", "a", 5, 60)
+        assert time.monotonic() - started < 2
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    try:
+        assert (await store.claim(KEY, "fp", "a", 5, 60)).claimed  # the pool goes on
+    finally:
+        await store.close()
+
+
 def _wait_for_a_waiting_claim(server: PostgresServer, dbname: str) -> None:
     """Until a connection of the store waits on the lock the test holds."""
     with server.admin() as conn:
