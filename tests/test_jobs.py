@@ -171,7 +171,7 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
 ) -> None:
     proxy = make_proxy(long_route(tool.url), store=store)
     key = new_key(BODY)
-    accepted = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    accepted = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)
     assert accepted.status_code == 202, accepted.text
     assert accepted.headers["preference-applied"] == "respond-async"
     assert accepted.headers["retry-after"] == "1"
@@ -181,9 +181,9 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
     assert doc["id"] == location.rsplit("/", 1)[1]
     assert doc["state"] in ("queued", "running") and doc["created_at"].endswith("Z")
 
-    again = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    again = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)
     assert again.status_code == 202 and again.headers["location"] == location
-    in_flight = post(proxy.url, key=key, query="?delay=0.5")  # no Prefer: as for a live call
+    in_flight = post(proxy.url, key=key, query="?delay=1.5")  # no Prefer: as for a live call
     assert in_flight.status_code == 409
 
     until(proxy.url, location, "completed")
@@ -195,7 +195,7 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
     assert result.headers["idempotent-replayed"] == "true"
     assert result.headers["x-tool"] == "counting"
     assert result.json()["execution"] == 1 and result.json()["body"] == json.dumps(BODY)
-    replay = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)  # done: the recorded answer
+    replay = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)  # done: the recorded answer
     assert replay.status_code == 200 and replay.content == result.content
     assert tool.count(key) == 1
 
