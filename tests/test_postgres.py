@@ -18,7 +18,8 @@ import pytest
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
-from proxy.store import RecordKey, make_queue
+from proxy.store import RecordKey, make_buckets, make_locks, make_queue
+from proxy.store.buckets import Rate, Slots
 from proxy.store.postgres import (
     DEFAULT_POOL_MAX,
     MIGRATIONS,
@@ -28,7 +29,7 @@ from proxy.store.postgres import (
     translate,
 )
 from proxy.store.queue import Job
-from tests.conftest import ProxyFactory, new_key, route
+from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.postgres_server import PostgresServer
 from tests.servers import CountingTool, free_port
 
@@ -160,6 +161,37 @@ async def test_a_schema_of_its_own_keeps_stores_apart(postgres_url: str) -> None
     finally:
         await mine.close()
         await theirs.close()
+
+
+async def test_sweep_deletes_what_expired_in_every_table_but_the_counters(
+    postgres_url: str, postgres_server: PostgresServer, postgres_database: str, clock: Clock
+) -> None:
+    store = PostgresStore(postgres_url, clock)
+    await store.open()
+    try:
+        await store.claim(KEY, "fp", "a", 1, 2)
+        await store.put_value("v", b"x", 2)
+        await make_buckets(store).take("g", [Rate("r", 0.5, 1)], [Slots("s", 1)], "a", 2)
+        await make_buckets(store).pause("g", 2)
+        await make_locks(store).acquire("scope", "res", "a", 2)
+        await make_locks(store).version("scope", "other", 2)
+        await make_queue(store).submit(Job("job-1", "r", "p", "s", "n", "l", b"rq", 2))
+        assert await store.sweep() == 0  # nothing expired yet
+        clock.now += 3
+        assert await store.sweep() == 1  # the record
+        with postgres_server.admin(postgres_database) as conn:
+            left = {
+                str(table): conn.execute(f"SELECT count(*) FROM tool_proxy.{table}").fetchone()
+                for (table,) in conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = 'tool_proxy'"
+                ).fetchall()
+            }
+        assert {t: n for t, n in left.items() if n != (0,)} == {
+            "resource_counters": (1,),  # a scope's counter never goes (tokens only grow)
+            "schema_version": (1,),
+        }
+    finally:
+        await store.close()
 
 
 # -- job changes ----------------------------------------------------------------------------

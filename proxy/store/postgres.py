@@ -32,7 +32,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -68,7 +68,9 @@ SWEEP_BATCH = 1000
 SWEEP_ROUNDS = 10
 # bytea holds 1 GB; less a margin for the rest of the row.
 MAX_PAYLOAD_BYTES = 1_000_000_000 - 64 * 1024
-# The schema's versions, each a file beside this module applied once, in order.
+# The schema's versions, each a file beside this module applied once, in order: a change
+# of the schema is a new file (CREATE OR REPLACE FUNCTION, ALTER TABLE), never an edit
+# of one that databases have applied already.
 MIGRATIONS: tuple[tuple[int, str], ...] = ((1, "postgres.sql"),)
 # The advisory lock that serializes migrations of replicas starting at once.
 MIGRATION_LOCK = 0x746F6F6C70727879  # "toolprxy"
@@ -90,7 +92,7 @@ _REFUSED = ("53", "54")
 class PostgresOptions:
     """What a ``postgresql://`` URL says: libpq's connection string and the pool's bounds."""
 
-    conninfo: str
+    conninfo: str = field(repr=False)  # it may hold a password
     pool_min: int = DEFAULT_POOL_MIN
     pool_max: int = DEFAULT_POOL_MAX
     pool_timeout: float = DEFAULT_POOL_TIMEOUT

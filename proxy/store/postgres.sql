@@ -277,6 +277,9 @@ BEGIN
         WHERE until <= now LIMIT p_batch FOR UPDATE SKIP LOCKED);
     DELETE FROM limit_pauses WHERE ctid IN (SELECT ctid FROM limit_pauses
         WHERE until <= now LIMIT p_batch FOR UPDATE SKIP LOCKED);
+    -- a rate whose tat has passed is a full bucket, as if it had no row
+    DELETE FROM limit_rates WHERE ctid IN (SELECT ctid FROM limit_rates
+        WHERE tat <= now LIMIT p_batch FOR UPDATE SKIP LOCKED);
     WITH gone AS (
         DELETE FROM jobs WHERE ctid IN (SELECT ctid FROM jobs WHERE expires_at <= now
             LIMIT p_batch FOR UPDATE SKIP LOCKED) RETURNING id
