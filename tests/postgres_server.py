@@ -165,3 +165,52 @@ class PostgresServer:
             ]
             if deletes:
                 conn.execute(sql.SQL("; ").join(deletes))
+
+
+class PgBouncer:
+    """PgBouncer in transaction mode on a free port, in front of ``server``: each
+    transaction of a client may run on another server connection."""
+
+    def __init__(self, server: PostgresServer) -> None:
+        self.port = free_port()
+        folder = Path(tempfile.mkdtemp(prefix="tool-proxy-pgbouncer-"))  # not under a 0700
+        self.folder = folder  # folder of root's: pgbouncer runs as postgres
+        self.process: subprocess.Popen[bytes] | None = None
+        ini = folder / "pgbouncer.ini"
+        (folder / "users.txt").write_text('"postgres" ""\n')
+        ini.write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={server.port}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\n"
+            f"unix_socket_dir =\nauth_type = trust\nauth_file = {folder / 'users.txt'}\n"
+            "pool_mode = transaction\ndefault_pool_size = 4\nmin_pool_size = 0\n"
+        )
+        self.ini = ini
+
+    def start(self) -> PgBouncer:
+        binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        assert os.path.exists(binary), "pgbouncer is not installed (scripts/install does)"
+        as_root = os.getuid() == 0
+        if as_root:
+            user = pwd.getpwnam(SERVER_USER)
+            for path in [self.folder, *self.folder.rglob("*")]:
+                os.chown(path, user.pw_uid, user.pw_gid)
+        self.process = subprocess.Popen(
+            [binary, str(self.ini)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            user=SERVER_USER if as_root else None,
+        )
+        wait_for(lambda: answers(self.port), what="pgbouncer")
+        return self
+
+    def url(self, dbname: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+        shutil.rmtree(self.folder, ignore_errors=True)

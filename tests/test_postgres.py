@@ -18,7 +18,7 @@ import pytest
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
-from proxy.store import RecordKey, make_buckets, make_locks, make_queue
+from proxy.store import RecordKey, State, make_buckets, make_locks, make_queue
 from proxy.store.buckets import Rate, Slots
 from proxy.store.postgres import (
     DEFAULT_POOL_MAX,
@@ -30,7 +30,7 @@ from proxy.store.postgres import (
 )
 from proxy.store.queue import Job
 from tests.conftest import Clock, ProxyFactory, new_key, route
-from tests.postgres_server import PostgresServer
+from tests.postgres_server import PgBouncer, PostgresServer
 from tests.servers import CountingTool, free_port
 
 pytestmark = pytest.mark.anyio
@@ -435,3 +435,32 @@ def test_a_server_restarted_and_killed_under_guarded_calls_fails_closed_and_runs
     assert all(tool.count(key) <= 1 for key in keys)  # nothing executed twice
     assert all(tool.count(key) == 1 for key in keys if answers[key][-1] == 200)
     own_postgres.drop_database(dbname)
+
+
+async def test_through_pgbouncer_in_transaction_mode(
+    postgres_server: PostgresServer, postgres_database: str, postgres_url: str
+) -> None:
+    """Every call is one autocommit statement, so a transaction-mode pooler may run each
+    on another server connection. Statements are not prepared (by default), which
+    PgBouncer before 1.21 refuses: with ``prepare=true`` this test fails on 1.18."""
+    bouncer = PgBouncer(postgres_server).start()
+    stores = [PostgresStore(f"{bouncer.url(postgres_database)}?pool_max=4") for _ in range(2)]
+    try:
+        for store in stores:
+            await store.open()
+        keys = [RecordKey(f"route|alice|plan|{n}", "h") for n in range(20)]
+        claims = await asyncio.gather(
+            *(stores[n % 2].claim(key, "fp", f"o{n}", 5, 60) for n, key in enumerate(keys * 2))
+        )
+        assert sum(claim.claimed for claim in claims) == len(keys)  # one winner per key
+        for n, (key, claim) in enumerate(zip(keys * 2, claims, strict=True)):
+            if claim.claimed:
+                assert await stores[0].complete(key, f"o{n}", "fp", State.COMPLETED, b"x", 60)
+        assert all(
+            record is not None and record.state is State.COMPLETED
+            for record in await asyncio.gather(*(stores[1].get(key) for key in keys))
+        )
+    finally:
+        for store in stores:
+            await store.close()
+        bouncer.stop()

@@ -17,8 +17,9 @@ the measurement against asyncpg). The pool is set by the URL's query::
 
 ``pool_min``/``pool_max`` connections (default 1 and 10); a call waits ``pool_timeout``
 for a free one, then fails with ``StoreUnavailable`` (503); ``timeout`` bounds a whole
-call; ``prepare=false`` never prepares statements (PgBouncer before 1.21 in transaction
-mode). Every other parameter goes to libpq as it is (``sslmode``, ``connect_timeout``,
+call; ``prepare=true`` prepares statements on the server after five uses (off by default:
+PgBouncer before 1.21 in transaction mode refuses them, and they measured no faster).
+Every other parameter goes to libpq as it is (``sslmode``, ``connect_timeout``,
 ...). The schema (``tool_proxy`` unless ``schema=``) is created or migrated by ``open``,
 in one transaction under an advisory lock, so replicas that start together apply it once;
 ``schema_version`` says which version the database has.
@@ -97,7 +98,7 @@ class PostgresOptions:
     pool_max: int = DEFAULT_POOL_MAX
     pool_timeout: float = DEFAULT_POOL_TIMEOUT
     timeout: float = DEFAULT_TIMEOUT
-    prepare: bool = True
+    prepare: bool = False
     schema: str = DEFAULT_SCHEMA
 
 
@@ -117,7 +118,7 @@ def parse_postgres_url(url: str) -> PostgresOptions:
         pool_max=_count(ours, "pool_max", DEFAULT_POOL_MAX, 1),
         pool_timeout=_seconds(ours, "pool_timeout", DEFAULT_POOL_TIMEOUT),
         timeout=_seconds(ours, "timeout", DEFAULT_TIMEOUT),
-        prepare=_flag(ours, "prepare", True),
+        prepare=_flag(ours, "prepare", False),
         schema=ours.get("schema", DEFAULT_SCHEMA),
     )
     if options.pool_min > options.pool_max:
