@@ -63,8 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and config.store.url.startswith("memory://"):
         return _fail(
             [
-                "--workers: the memory:// store lives in one process; use sqlite:// or redis:// "
-                "with more than one worker"
+                "--workers: the memory:// store lives in one process; use sqlite://, redis:// "
+                "or postgresql:// with more than one worker"
             ]
         )
     from proxy.app import shutdown_seconds

@@ -118,7 +118,7 @@ _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _METHOD = re.compile(r"[A-Z]{1,20}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 _QUOTA = re.compile(r"\d+(?:\.\d+)?")
-_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss")
+_STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "postgresql", "postgres")
 _ASYMMETRIC_ALGORITHMS = (
     "RS256",
     "RS384",
@@ -1110,9 +1110,15 @@ def check_store_url(url: str) -> str:
     """Raise ValueError unless ``url`` names a known store."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in _STORE_SCHEMES:
-        raise ValueError("must be memory://, sqlite:///path, redis://... or rediss://...")
+        raise ValueError(
+            "must be memory://, sqlite:///path, redis://..., rediss://... or postgresql://..."
+        )
     if scheme == "sqlite" and not url.removeprefix("sqlite://"):
         raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
+    if scheme in ("postgresql", "postgres"):
+        from proxy.store.postgres import parse_postgres_url
+
+        parse_postgres_url(url)
     return url
 
 

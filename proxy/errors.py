@@ -2,7 +2,7 @@
 
 Every error a caller can see is a ``ProxyError``; ``problems.py`` turns it into an
 RFC 9457 ``application/problem+json`` response, and nothing else does. Foreign
-exceptions (aiohttp, redis, sqlite3) are translated into these at the module that
+exceptions (aiohttp, redis, sqlite3, psycopg) are translated into these at the module that
 talks to the foreign library, with ``raise ... from exc``.
 
     ProxyError

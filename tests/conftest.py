@@ -15,12 +15,14 @@ import redis
 from proxy.app import create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
-from proxy.store import Store, make_store, memory, sqlite
+from proxy.store import Store, make_store, memory, postgres, sqlite
 from proxy.store import redis as redis_store
 from proxy.store.memory import MemoryStore
+from proxy.store.postgres import PostgresStore
 from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SQLiteStore
 from tests.idp import IdentityProvider
+from tests.postgres_server import PostgresServer
 from tests.servers import CountingTool, RedisServer, ThreadServer
 
 ProxyFactory = Callable[..., ThreadServer]
@@ -37,7 +39,7 @@ def counters_from_zero(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     process, so their numbers read 1, 2, 3 (the stores start them at the clock, in
     microseconds: ``locks.counter_start``); ``@pytest.mark.real_counters`` keeps that."""
     if request.node.get_closest_marker("real_counters") is None:
-        for module in (memory, sqlite, redis_store):
+        for module in (memory, sqlite, redis_store, postgres):
             monkeypatch.setattr(module, "counter_start", lambda: 0)
 
 
@@ -52,6 +54,25 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = PostgresServer.local_or_started()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_database(postgres_server: PostgresServer) -> str:
+    """This run's own database (a random name, dropped at the end)."""
+    return postgres_server.create_database()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer, postgres_database: str) -> str:
+    postgres_server.empty(postgres_database)
+    return postgres_server.url(postgres_database)
 
 
 @pytest.fixture
@@ -106,12 +127,15 @@ def route(
     return spec
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "postgres"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "memory":
         return "memory://"
     if request.param == "sqlite":
         return f"sqlite://{tmp_path}/state.db"
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("postgres_url")
+        return url
     redis: RedisServer = request.getfixturevalue("redis_server")
     redis.flush()
     return redis.url
@@ -162,17 +186,19 @@ def clock() -> Clock:
 
 
 def clocked_store(url: str, clock: Clock) -> Store:
-    """The store ``url`` names, on ``clock`` where it takes one (Redis does not)."""
+    """The store ``url`` names, on ``clock`` where it takes one (all but Redis)."""
     if url.startswith("memory://"):
         return MemoryStore(clock)
     if url.startswith("sqlite://"):
         return SQLiteStore(url, clock)
+    if url.startswith("postgresql://"):
+        return PostgresStore(url, clock)
     return make_store(url)
 
 
 @pytest.fixture
 async def opened(store_url: str, clock: Clock) -> AsyncIterator[Store]:
-    """The store under test (memory, SQLite, Redis), opened, on ``clock``."""
+    """The store under test (memory, SQLite, Redis, PostgreSQL), opened, on ``clock``."""
     store = clocked_store(store_url, clock)
     await store.open()
     yield store
@@ -181,7 +207,8 @@ async def opened(store_url: str, clock: Clock) -> AsyncIterator[Store]:
 
 @pytest.fixture
 def later(store_url: str, clock: Clock) -> Later:
-    """Move time on: the clock for memory and SQLite; Redis expires by its own, so sleep."""
+    """Move time on: the clock for memory, SQLite and PostgreSQL; Redis expires by its own,
+    so sleep."""
 
     async def fast_forward(seconds: float) -> None:
         if store_url.startswith("redis"):
@@ -209,6 +236,8 @@ def stored_entries(store: Store, part: str) -> int:
             return sum(_rows(db, table) for table in _TABLES[part])
         finally:
             db.close()
+    if isinstance(store, PostgresStore):  # its sweep: tests/test_postgres.py
+        pytest.skip("the PostgreSQL sweep has its own test (tests/test_postgres.py)")
     assert isinstance(store, RedisStore)
     client = redis.Redis.from_url(store.url)
     try:

@@ -121,7 +121,7 @@ def test_environment_overrides(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no configuration"):
         load_config(env={})
     with pytest.raises(ConfigError, match=r"store\.url"):
-        load_config(path, env={ENV_STORE_URL: "postgres://x"})
+        load_config(path, env={ENV_STORE_URL: "mysql://x"})  # postgres:// is a store now
 
 
 def test_input_limits_have_defaults_and_bounds() -> None:

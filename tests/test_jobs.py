@@ -103,8 +103,11 @@ class FlakyTool:
         return Response(json.dumps({"calls": self.calls[key]}), media_type="application/json")
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> str:
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("postgres_url")
+        return url
     return "memory://" if request.param == "memory" else f"sqlite://{tmp_path}/state.db"
 
 
@@ -175,7 +178,7 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
 ) -> None:
     proxy = make_proxy(long_route(tool.url), store=store)
     key = new_key(BODY)
-    accepted = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    accepted = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)
     assert accepted.status_code == 202, accepted.text
     assert accepted.headers["preference-applied"] == "respond-async"
     assert accepted.headers["retry-after"] == "1"
@@ -185,9 +188,9 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
     assert doc["id"] == location.rsplit("/", 1)[1]
     assert doc["state"] in ("queued", "running") and doc["created_at"].endswith("Z")
 
-    again = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)
+    again = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)
     assert again.status_code == 202 and again.headers["location"] == location
-    in_flight = post(proxy.url, key=key, query="?delay=0.5")  # no Prefer: as for a live call
+    in_flight = post(proxy.url, key=key, query="?delay=1.5")  # no Prefer: as for a live call
     assert in_flight.status_code == 409
 
     until(proxy.url, location, "completed")
@@ -199,7 +202,7 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
     assert result.headers["idempotent-replayed"] == "true"
     assert result.headers["x-tool"] == "counting"
     assert result.json()["execution"] == 1 and result.json()["body"] == json.dumps(BODY)
-    replay = post(proxy.url, key=key, query="?delay=0.5", **ASYNC)  # done: the recorded answer
+    replay = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)  # done: the recorded answer
     assert replay.status_code == 200 and replay.content == result.content
     assert tool.count(key) == 1
 

@@ -233,18 +233,18 @@ def paused_by_tool(answer: httpx.Response, whom: str) -> str:
     return str(answer.headers["retry-after"])
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "postgres"])
 def replicas(
     request: pytest.FixtureRequest, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> Any:
-    """Two proxies of one route (``spec``) and ``idp``'s callers: on one Redis, or the one
-    proxy twice on memory (whose limits are per process)."""
+    """Two proxies of one route (``spec``) and ``idp``'s callers: on one Redis or one
+    PostgreSQL, or the one proxy twice on memory (whose limits are per process)."""
 
     def start(spec: dict[str, Any]) -> list[ThreadServer]:
         spec["auth"] = {"required": True}
         if request.param == "memory":
             return [make_proxy(spec, auth=auth_config(idp))] * 2
-        url = request.getfixturevalue("redis_url")
+        url = request.getfixturevalue(f"{request.param}_url")
         return [make_proxy(spec, store=url, auth=auth_config(idp)) for _ in range(2)]
 
     return start

@@ -1,6 +1,6 @@
-"""One contract, every store: memory, SQLite and a real redis-server.
+"""One contract, every store: memory, SQLite, a real redis-server and a real PostgreSQL.
 
-Expiry is tested by moving time on: memory and SQLite take a clock, which ``later``
+Expiry is tested by moving time on: memory, SQLite and PostgreSQL take a clock, which ``later``
 fast-forwards; Redis expires keys by its own clock, so there ``later`` sleeps for real
 (the TTLs are a few hundred milliseconds).
 """
@@ -12,12 +12,14 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
 from proxy.errors import StoreUnavailable
 from proxy.store import RecordKey, State, Store, make_store
 from proxy.store.memory import MemoryStore
+from proxy.store.postgres import PostgresStore
 from proxy.store.sqlite import SQLiteStore
 from tests.conftest import Later
 from tests.servers import RedisServer, free_port
@@ -44,6 +46,11 @@ def gone(store: Store, key: RecordKey) -> bool:
     hide, and in memory drop, expired records)."""
     if isinstance(store, MemoryStore):
         return key not in store._records
+    if isinstance(store, PostgresStore):
+        with psycopg.connect(store.options.conninfo) as conn:
+            query = "SELECT count(*) FROM tool_proxy.records WHERE slot = %s AND name = %s"
+            row = conn.execute(query, key).fetchone()
+            return row is not None and row[0] == 0
     assert isinstance(store, SQLiteStore)
     with sqlite3.connect(store.path) as db:
         query = "SELECT count(*) FROM step_records WHERE slot = ? AND name = ?"
@@ -297,7 +304,7 @@ async def test_sweep_removes_expired_records(store: Store, later: Later) -> None
     await store.claim(live, "fp", "a", LOCK, RESULT)
     await later(0.2)
     swept = await store.sweep()
-    if isinstance(store, MemoryStore | SQLiteStore):
+    if isinstance(store, MemoryStore | SQLiteStore | PostgresStore):
         assert swept == 1
         assert gone(store, KEY) and not gone(store, live)
     else:

@@ -1,6 +1,6 @@
-"""Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis; and
-their rate buckets, resource locks and job queues behind others (``buckets.Buckets``,
-``locks.Locks``, ``queue.Queue``)."""
+"""Idempotency stores behind one contract (``base.Store``): memory, SQLite, Redis,
+PostgreSQL; and their rate buckets, resource locks and job queues behind others
+(``buckets.Buckets``, ``locks.Locks``, ``queue.Queue``)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def make_store(url: str) -> Store:
         from proxy.store.redis import RedisStore
 
         return RedisStore(url)
+    if scheme in ("postgresql", "postgres"):
+        from proxy.store.postgres import PostgresStore
+
+        return PostgresStore(url)
     raise ValueError(f"unknown store URL scheme: {scheme!r}")
 
 

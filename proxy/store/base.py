@@ -1,4 +1,5 @@
-"""The store contract: what every backend (memory, sqlite, redis) must do, atomically.
+"""The store contract: what every backend (memory, sqlite, redis, postgres) must do,
+atomically.
 
 A record lives under a ``RecordKey``: ``slot`` names one logical step (route, principal,
 plan and step for composite keys; route, principal and a digest for opaque ones) and
@@ -17,10 +18,10 @@ State machine::
                          +--release (owner only)--> (absent)
 
 An IN_PROGRESS record carries its lease's end, evaluated with the store's own clock
-(Redis ``TIME``; the host's wall clock for SQLite; the process's for memory); the record
-itself lives ``result_ttl`` past its last write, so a lapsed lease is seen, never mistaken
-for a free key. A FAILED record with an empty payload is such a lapsed lease: the proxy
-renders it as "outcome unknown".
+(Redis ``TIME``; PostgreSQL's ``statement_timestamp()``; the host's wall clock for
+SQLite; the process's for memory); the record itself lives ``result_ttl`` past its last
+write, so a lapsed lease is seen, never mistaken for a free key. A FAILED record with an
+empty payload is such a lapsed lease: the proxy renders it as "outcome unknown".
 
 Only the owner token given to ``claim`` may renew, complete or release: a proxy whose
 lease was taken over can never overwrite the newer owner's outcome. Its own lapsed lease
