@@ -81,7 +81,11 @@ class AdminAuth:
 
     async def identity(self, request: Request) -> str:
         """The operator's identity for the audit log; 401 or 403 otherwise."""
-        token = bearer_token(request.headers.get("authorization"))
+        return await self.verify(bearer_token(request.headers.get("authorization")))
+
+    async def verify(self, token: str | None) -> str:
+        """The identity of an operator's credential (the admin token or a JWT with the
+        role), as ``identity``; the console passes the one its sign-in cookie holds."""
         if token is None:
             raise Unauthorized("the admin API requires a bearer token", error="")
         if self._token is not None:
