@@ -57,7 +57,7 @@ CSP = (
 SECURITY_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    "Referrer-Policy": "same-origin",  # not no-referrer: Chrome then posts Origin: null
     "Cache-Control": "no-store",
 }
 # Seconds between two looks at the store for a page's live region (per open page).
@@ -299,10 +299,11 @@ class Console:
         async def show(request: Request) -> Response:
             operator = await self.operator(request)
             params = {**request.query_params, **request.path_params}
-            context = await view(params)
-            live = f"{CONSOLE_PATH}live/{name}?{_query(params)}"
+            context = {**await view(params), "operator": operator}
+            seen = _digest(self.live_html(template, context))
+            live = f"{CONSOLE_PATH}live/{name}?{_query({**params, 'seen': seen})}"
             notice = request.query_params.get("done")
-            context.update(operator=operator, live=live, notice=notice)
+            context.update(live=live, notice=notice)
             return self.render(template, context)
 
         return show
@@ -315,17 +316,18 @@ class Console:
             raise InvalidField("view", "not a console view")
         view, template = self.views[name]
         params = dict(request.query_params)
+        shown = params.pop("seen", None)  # the digest of the region the page holds now
 
         async def events() -> AsyncIterator[ServerSentEvent]:
-            shown = None
+            nonlocal shown
             while True:
                 try:
                     context = await view(params)
                     html = self.live_html(template, {**context, "operator": operator})
                 except ProxyError as exc:  # e.g. the record was deleted, the store is down
                     html = self.live_html("error.html", {"error": exc})
-                if html != shown:
-                    shown = html
+                if _digest(html) != shown:
+                    shown = _digest(html)
                     yield ServerSentEvent(data=html, event="live")
                 await asyncio.sleep(LIVE_SECONDS)
 
@@ -536,6 +538,10 @@ def _query(params: Params) -> str:
     return urlencode({k: v for k, v in params.items() if k != "done"})
 
 
+def _digest(html: str) -> str:
+    return hashlib.sha256(html.encode()).hexdigest()[:16]
+
+
 def _same_origin(request: Request) -> None:
     """Refuse a change posted from another site (its ``Origin`` is not ours)."""
     origin = request.headers.get("origin")
@@ -570,7 +576,7 @@ def console_routes(
     return [
         Route(base, guard(console.page("records")), methods=["GET"]),
         Route(f"{base}login", console.login_page, methods=["GET"]),
-        Route(f"{base}login", console.login, methods=["POST"]),
+        Route(f"{base}login", guard(console.login), methods=["POST"]),
         Route(f"{base}logout", guard(console.logout), methods=["POST"]),
         Route(f"{base}static/{{name}}", guard(console.static), methods=["GET"]),
         Route(f"{base}live/{{view}}", guard(console.live), methods=["GET"]),
