@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import Browser, Dialog, Page, sync_playwright
 
 from proxy.console import CONSOLE_PATH
 from tests.conftest import ProxyFactory, new_key
@@ -28,7 +29,6 @@ from tests.test_console import (
     console_tool,  # noqa: F401 (a fixture)
 )
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = [
     "--headless",
@@ -49,10 +49,10 @@ UNLABELLED = """() => Array.from(document.querySelectorAll('input, select, texta
 
 
 @pytest.fixture(scope="session")
-def browser() -> Iterator[playwright_sync.Browser]:
+def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (scripts/install installs it)")
-    with playwright_sync.sync_playwright() as playwright:
+        pytest.fail("chromium is not installed: scripts/install installs it (Debian package)")
+    with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield launched
         launched.close()
@@ -75,7 +75,7 @@ def setup(
 
 
 @pytest.fixture
-def page(browser: playwright_sync.Browser, setup: Setup) -> Iterator[playwright_sync.Page]:
+def page(browser: Browser, setup: Setup) -> Iterator[Page]:
     """A fresh browser context's page, closed before the proxy stops (its live streams
     end with it, rather than holding up the proxy's shutdown)."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
@@ -92,7 +92,7 @@ def shots(tmp_path: Path) -> Path:
     return where
 
 
-def sign_in(page: playwright_sync.Page, setup: Setup) -> None:
+def sign_in(page: Page, setup: Setup) -> None:
     page.goto(setup.url)
     assert page.url.endswith(CONSOLE_PATH + "login")
     page.get_by_label("Admin token or JWT").fill(TOKEN)
@@ -100,19 +100,31 @@ def sign_in(page: playwright_sync.Page, setup: Setup) -> None:
     page.wait_for_url(setup.url)
 
 
-def labelled(page: playwright_sync.Page) -> None:
+def answering(page: Page, accept: bool) -> list[str]:
+    """Accept (or dismiss) every dialog (the console's confirmations); their messages."""
+    messages: list[str] = []
+
+    def answer(dialog: Dialog) -> None:
+        messages.append(dialog.message)
+        if accept:
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    page.on("dialog", answer)
+    return messages
+
+
+def labelled(page: Page) -> None:
     assert page.evaluate(UNLABELLED) == []
 
 
-def test_find_a_plan_and_resolve_its_unknown_outcome(
-    page: playwright_sync.Page, setup: Setup, shots: Path
-) -> None:
+def test_find_a_plan_and_resolve_its_unknown_outcome(page: Page, setup: Setup, shots: Path) -> None:
     plan = "plan-browser"
     assert setup.call(new_key(BODY, 1, plan)).status_code == 201
     assert setup.call(new_key({"n": 2}, 2, plan), body={"n": 2}, delay=1.5).status_code == 504
     assert setup.call(new_key({"n": 3}, 2, plan), body={"n": 3}).status_code == 201
-    dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
+    dialogs = answering(page, accept=True)
 
     sign_in(page, setup)
     labelled(page)
@@ -140,12 +152,9 @@ def test_find_a_plan_and_resolve_its_unknown_outcome(
     assert replay.json() == {"resolved": True}
 
 
-def test_a_tool_answer_with_a_script_is_text_and_csp_holds(
-    page: playwright_sync.Page, setup: Setup
-) -> None:
+def test_a_tool_answer_with_a_script_is_text_and_csp_holds(page: Page, setup: Setup) -> None:
     assert setup.call(new_key(BODY, 1, "plan-xss")).status_code == 201
-    dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    dialogs = answering(page, accept=False)
     sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-xss")
     with page.expect_response(lambda r: "/records/" in r.url) as shown:
@@ -159,11 +168,9 @@ def test_a_tool_answer_with_a_script_is_text_and_csp_holds(
     assert dialogs == []  # the tool's script never ran
 
 
-def test_a_form_with_a_wrong_csrf_token_is_refused(
-    page: playwright_sync.Page, setup: Setup
-) -> None:
+def test_a_form_with_a_wrong_csrf_token_is_refused(page: Page, setup: Setup) -> None:
     assert setup.call(new_key(BODY, 1, "plan-csrf"), delay=1.5).status_code == 504
-    page.on("dialog", lambda dialog: dialog.accept())
+    answering(page, accept=True)
     sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-csrf")
     page.get_by_role("link", name="details").click()
@@ -176,11 +183,9 @@ def test_a_form_with_a_wrong_csrf_token_is_refused(
     assert page.locator(".state-failed").count() == 1  # unchanged
 
 
-def test_requeue_a_dead_operation_and_follow_it_live(
-    page: playwright_sync.Page, setup: Setup, shots: Path
-) -> None:
+def test_requeue_a_dead_operation_and_follow_it_live(page: Page, setup: Setup, shots: Path) -> None:
     job = setup.job()
-    page.on("dialog", lambda dialog: dialog.accept())
+    answering(page, accept=True)
     sign_in(page, setup)
     page.get_by_role("link", name="Operations").click()
     page.get_by_label("State").select_option("dead")
@@ -201,9 +206,7 @@ def test_requeue_a_dead_operation_and_follow_it_live(
     page.screenshot(path=shots / "operation.png", full_page=True)
 
 
-def test_live_records_keyboard_and_routes(
-    page: playwright_sync.Page, setup: Setup, shots: Path
-) -> None:
+def test_live_records_keyboard_and_routes(page: Page, setup: Setup, shots: Path) -> None:
     sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-live")
     page.get_by_text("No record matches").wait_for()
