@@ -238,18 +238,21 @@ class Console:
         return Operator(await self.auth.verify(credential), credential or "")
 
     async def login_page(self, request: Request) -> Response:
-        return self.render("login.html", {"operator": None, "error": None, "title": "Sign in"})
+        after = _after_login(request.query_params.get("next"))
+        context = {"error": None, "title": "Sign in", "next": after}
+        return self.render("login.html", context)
 
     async def login(self, request: Request) -> Response:
         _same_origin(request)
         form = await request.form()
         credential = str(form.get("token", "")).strip()
+        after = _after_login(str(form.get("next", "")))
         try:
             await self.auth.verify(credential or None)
         except (Unauthorized, Forbidden) as exc:
-            context = {"operator": None, "error": exc, "title": "Sign in"}
+            context = {"error": exc, "title": "Sign in", "next": after}
             return self.render("login.html", context, exc.status)
-        response = RedirectResponse(CONSOLE_PATH, 303, headers=SECURITY_HEADERS)
+        response = RedirectResponse(after, 303, headers=SECURITY_HEADERS)
         response.set_cookie(
             COOKIE,
             credential,
@@ -284,7 +287,9 @@ class Console:
                 return await handler(request)
             except (Unauthorized, Forbidden) as exc:
                 if request.method == "GET" and self.credential(request) is None:
-                    return RedirectResponse(CONSOLE_PATH + "login", 303, SECURITY_HEADERS)
+                    back = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+                    login = f"{CONSOLE_PATH}login?{urlencode({'next': back})}"
+                    return RedirectResponse(login, 303, SECURITY_HEADERS)
                 return self.problem(exc, None)
             except ProxyError as exc:
                 return self.problem(exc, None)
@@ -536,6 +541,13 @@ def _done(path: str, notice: str) -> Response:
 
 def _query(params: Params) -> str:
     return urlencode({k: v for k, v in params.items() if k != "done"})
+
+
+def _after_login(target: str | None) -> str:
+    """Where sign-in leads: the console page asked for, never elsewhere (no open redirect)."""
+    if not target or not target.startswith(CONSOLE_PATH) or "//" in target or "\\" in target:
+        return CONSOLE_PATH
+    return target
 
 
 def _digest(html: str) -> str:

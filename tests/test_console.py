@@ -154,11 +154,22 @@ def test_the_console_is_off_without_admin(
 
 
 def test_sign_in_with_the_admin_token_sets_a_strict_cookie(setup: Setup) -> None:
-    unsigned = httpx.get(setup.url + "records")
+    unsigned = httpx.get(setup.url + "plans", params={"plan": "p-1"})
     assert unsigned.status_code == 303
-    assert unsigned.headers["location"] == CONSOLE_PATH + "login"
-    login = httpx.get(setup.url + "login")
+    assert (
+        unsigned.headers["location"]
+        == CONSOLE_PATH + "login?next=%2F_proxy%2Fconsole%2Fplans%3Fplan%3Dp-1"
+    )
+    login = httpx.get(setup.proxy.url + unsigned.headers["location"])
     assert login.status_code == 200 and 'type="password"' in login.text
+    assert 'value="/_proxy/console/plans?plan=p-1"' in login.text
+    back = httpx.post(
+        setup.url + "login", data={"token": TOKEN, "next": "/_proxy/console/plans?plan=p-1"}
+    )
+    assert back.headers["location"] == "/_proxy/console/plans?plan=p-1"
+    for elsewhere in ("https://evil.example/", "//evil.example/", "/_proxy/admin/records"):
+        away = httpx.post(setup.url + "login", data={"token": TOKEN, "next": elsewhere})
+        assert away.headers["location"] == CONSOLE_PATH
     wrong = httpx.post(setup.url + "login", data={"token": "nope"})
     assert wrong.status_code == 401 and "not valid" in wrong.text
     assert "set-cookie" not in wrong.headers
