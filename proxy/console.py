@@ -280,13 +280,14 @@ class Console:
         return operator, form
 
     def guard(self, handler: Handler) -> Handler:
-        """Errors as pages: sign in again on 401/403 (GET), the problem otherwise."""
+        """Errors as pages: a page asked without a (valid) sign-in cookie leads to the
+        sign-in (an expired JWT, too); anything else shows the problem."""
 
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
             except (Unauthorized, Forbidden) as exc:
-                if request.method == "GET" and self.credential(request) is None:
+                if request.method == "GET" and "authorization" not in request.headers:
                     back = request.url.path + (f"?{request.url.query}" if request.url.query else "")
                     login = f"{CONSOLE_PATH}login?{urlencode({'next': back})}"
                     return RedirectResponse(login, 303, SECURITY_HEADERS)

@@ -98,6 +98,18 @@ def console_tool() -> Iterator[ConsoleTool]:
     server.stop()
 
 
+def start(
+    tool: ConsoleTool, make_proxy: ProxyFactory, store: str, monkeypatch: pytest.MonkeyPatch
+) -> Setup:
+    monkeypatch.setenv("CONSOLE_ADMIN_TOKEN", TOKEN)
+    proxy = make_proxy(
+        *console_routes(tool.url),  # type: ignore[attr-defined]
+        store=store,
+        admin={"token_env": "CONSOLE_ADMIN_TOKEN"},
+    )
+    return Setup(proxy, tool)
+
+
 @pytest.fixture
 def setup(
     console_tool: ConsoleTool,
@@ -105,13 +117,16 @@ def setup(
     store_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Setup:
-    monkeypatch.setenv("CONSOLE_ADMIN_TOKEN", TOKEN)
-    proxy = make_proxy(
-        *console_routes(console_tool.url),  # type: ignore[attr-defined]
-        store=store_url,
-        admin={"token_env": "CONSOLE_ADMIN_TOKEN"},
-    )
-    return Setup(proxy, console_tool)
+    """The console on each store (memory, SQLite, Redis)."""
+    return start(console_tool, make_proxy, store_url, monkeypatch)
+
+
+@pytest.fixture
+def plain(
+    console_tool: ConsoleTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> Setup:
+    """The console on the memory store, for what does not depend on the store."""
+    return start(console_tool, make_proxy, "memory://", monkeypatch)
 
 
 def signed_in() -> dict[str, str]:
@@ -153,44 +168,46 @@ def test_the_console_is_off_without_admin(
         assert httpx.get(proxy.url + CONSOLE_PATH + path).status_code == 404
 
 
-def test_sign_in_with_the_admin_token_sets_a_strict_cookie(setup: Setup) -> None:
-    unsigned = httpx.get(setup.url + "plans", params={"plan": "p-1"})
+def test_sign_in_with_the_admin_token_sets_a_strict_cookie(plain: Setup) -> None:
+    unsigned = httpx.get(plain.url + "plans", params={"plan": "p-1"})
     assert unsigned.status_code == 303
     assert (
         unsigned.headers["location"]
         == CONSOLE_PATH + "login?next=%2F_proxy%2Fconsole%2Fplans%3Fplan%3Dp-1"
     )
-    login = httpx.get(setup.proxy.url + unsigned.headers["location"])
+    login = httpx.get(plain.proxy.url + unsigned.headers["location"])
     assert login.status_code == 200 and 'type="password"' in login.text
     assert 'value="/_proxy/console/plans?plan=p-1"' in login.text
     back = httpx.post(
-        setup.url + "login", data={"token": TOKEN, "next": "/_proxy/console/plans?plan=p-1"}
+        plain.url + "login", data={"token": TOKEN, "next": "/_proxy/console/plans?plan=p-1"}
     )
     assert back.headers["location"] == "/_proxy/console/plans?plan=p-1"
     for elsewhere in ("https://evil.example/", "//evil.example/", "/_proxy/admin/records"):
-        away = httpx.post(setup.url + "login", data={"token": TOKEN, "next": elsewhere})
+        away = httpx.post(plain.url + "login", data={"token": TOKEN, "next": elsewhere})
         assert away.headers["location"] == CONSOLE_PATH
-    wrong = httpx.post(setup.url + "login", data={"token": "nope"})
+    wrong = httpx.post(plain.url + "login", data={"token": "nope"})
     assert wrong.status_code == 401 and "not valid" in wrong.text
     assert "set-cookie" not in wrong.headers
-    right = httpx.post(setup.url + "login", data={"token": TOKEN})
+    right = httpx.post(plain.url + "login", data={"token": TOKEN})
     assert right.status_code == 303
     cookie = right.headers["set-cookie"]
     assert cookie.startswith(f"{COOKIE}={TOKEN};")
     assert all(p in cookie for p in ("HttpOnly", "SameSite=strict", f"Path={CONSOLE_PATH}"))
     foreign = httpx.post(
-        setup.url + "login", data={"token": TOKEN}, headers={"Origin": "https://evil.example"}
+        plain.url + "login", data={"token": TOKEN}, headers={"Origin": "https://evil.example"}
     )
     assert foreign.status_code == 403
-    bearer = httpx.get(setup.url + "records", headers={"Authorization": f"Bearer {TOKEN}"})
+    bearer = httpx.get(plain.url + "records", headers={"Authorization": f"Bearer {TOKEN}"})
     assert bearer.status_code == 200
-    assert httpx.get(setup.url, headers={"Cookie": f"{COOKIE}=wrong"}).status_code == 401
+    assert httpx.get(plain.url, headers={"Cookie": f"{COOKIE}=wrong"}).status_code == 303
+    wrong_bearer = httpx.get(plain.url, headers={"Authorization": "Bearer wrong"})
+    assert wrong_bearer.status_code == 401 and "not valid" in wrong_bearer.text
 
 
-def test_every_page_is_html_with_a_strict_content_security_policy(setup: Setup) -> None:
-    setup.job()
+def test_every_page_is_html_with_a_strict_content_security_policy(plain: Setup) -> None:
+    plain.job()
     for path in ("", "records", "plans", "operations", "routes", "login"):
-        answer = page(setup, path)
+        answer = page(plain, path)
         assert answer.status_code == 200, (path, answer.text)
         assert answer.headers["content-type"].startswith("text/html")
         csp = answer.headers["content-security-policy"]
@@ -199,10 +216,10 @@ def test_every_page_is_html_with_a_strict_content_security_policy(setup: Setup) 
         assert answer.headers["x-content-type-options"] == "nosniff"
         assert "<script>" not in answer.text  # no inline script: only <script src=...>
         assert '<html lang="en">' in answer.text
-    css = page(setup, "static/console.css")
+    css = page(plain, "static/console.css")
     assert css.headers["content-type"].startswith("text/css")
-    assert page(setup, "static/console.js").headers["content-type"].startswith("text/javascript")
-    assert page(setup, "static/secrets.txt").status_code == 400
+    assert page(plain, "static/console.js").headers["content-type"].startswith("text/javascript")
+    assert page(plain, "static/secrets.txt").status_code == 400
 
 
 # -- records -----------------------------------------------------------------------------
@@ -379,28 +396,28 @@ def test_routes_show_policies_and_what_is_in_flight(setup: Setup) -> None:
     assert "quick" in html and "jobs" in html and "600/1m" in html and "lock_ttl" in html
 
 
-def test_the_live_feed_sends_a_region_again_when_it_changes(setup: Setup) -> None:
-    shown = page(setup, "records", plan="plan-live").text
+def test_the_live_feed_sends_a_region_again_when_it_changes(plain: Setup) -> None:
+    shown = page(plain, "records", plan="plan-live").text
     assert "No record matches" in shown
     found = re.search(r'data-live="([^"]+)"', shown)
     assert found is not None and "seen=" in found.group(1)
     live = unescape(found.group(1))
     seen: list[str] = []
-    with httpx.stream("GET", setup.proxy.url + live, headers=signed_in()) as feed:
+    with httpx.stream("GET", plain.proxy.url + live, headers=signed_in()) as feed:
         assert feed.headers["content-type"].startswith("text/event-stream")
         assert "script-src 'self'" in feed.headers["content-security-policy"]
-        setup.call(new_key(BODY, 1, "plan-live"))
+        plain.call(new_key(BODY, 1, "plan-live"))
         for line in feed.iter_lines():  # nothing until the region changes: the page has it
             if line.startswith("data:"):
                 seen.append(line)
             elif not line and seen:
                 break
     assert "plan-live" in "".join(seen) and "state-completed" in "".join(seen)
-    assert httpx.get(setup.url + "live/records").status_code == 303
-    assert page(setup, "live/nothing").status_code == 400
+    assert httpx.get(plain.url + "live/records").status_code == 303
+    assert page(plain, "live/nothing").status_code == 400
 
 
-def test_sign_out_needs_the_csrf_token(setup: Setup) -> None:
-    assert form(setup, "logout", csrf="x").status_code == 403
-    out = form(setup, "logout")
+def test_sign_out_needs_the_csrf_token(plain: Setup) -> None:
+    assert form(plain, "logout", csrf="x").status_code == 403
+    out = form(plain, "logout")
     assert out.status_code == 303 and f'{COOKIE}=""' in out.headers["set-cookie"]
