@@ -37,7 +37,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from proxy import records
-from proxy.admin import AdminAuth
+from proxy.admin import READ_ONLY, AdminAuth
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.config import Config, RouteConfig
 from proxy.errors import Forbidden, InvalidField, OperationNotFound, ProxyError, Unauthorized
@@ -167,11 +167,13 @@ def _confirmed(form: FormData) -> None:
 
 
 class Operator:
-    """Who is signed in: the audit identity, and the CSRF token of their forms."""
+    """Who is signed in: the audit identity, the CSRF token of their forms, and whether
+    they may change anything (not with ``admin.read_role``)."""
 
     def __init__(self, identity: str, credential: str) -> None:
         self.identity = identity
         self.csrf = csrf_token(credential)
+        self.can_change = not identity.endswith(READ_ONLY)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -233,9 +235,11 @@ class Console:
     def credential(request: Request) -> str | None:
         return bearer_token(request.headers.get("authorization")) or request.cookies.get(COOKIE)
 
-    async def operator(self, request: Request) -> Operator:
+    async def operator(self, request: Request, looking: bool = True) -> Operator:
+        """Who is signed in; ``looking`` (a view) accepts ``admin.read_role`` too."""
         credential = self.credential(request)
-        return Operator(await self.auth.verify(credential), credential or "")
+        identity = await self.auth.verify(credential, looking=looking)
+        return Operator(identity, credential or "")
 
     async def login_page(self, request: Request) -> Response:
         after = _after_login(request.query_params.get("next"))
@@ -248,7 +252,7 @@ class Console:
         credential = str(form.get("token", "")).strip()
         after = _after_login(str(form.get("next", "")))
         try:
-            await self.auth.verify(credential or None)
+            await self.auth.verify(credential or None, looking=True)
         except (Unauthorized, Forbidden) as exc:
             context = {"error": exc, "title": "Sign in", "next": after}
             return self.render("login.html", context, exc.status)
@@ -264,15 +268,16 @@ class Console:
         return response
 
     async def logout(self, request: Request) -> Response:
-        await self._change(request)
+        await self._change(request, looking=True)
         response = RedirectResponse(CONSOLE_PATH + "login", 303, headers=SECURITY_HEADERS)
         response.delete_cookie(COOKIE, path=CONSOLE_PATH)
         return response
 
-    async def _change(self, request: Request) -> tuple[Operator, FormData]:
-        """The operator and form of a change: same origin, a valid CSRF token."""
+    async def _change(self, request: Request, looking: bool = False) -> tuple[Operator, FormData]:
+        """The operator and form of a change: same origin, a valid CSRF token, and (unless
+        ``looking``: signing out) a credential that may change things."""
         _same_origin(request)
-        operator = await self.operator(request)
+        operator = await self.operator(request, looking=looking)
         form = await request.form(max_fields=1000, max_part_size=self.max_body)
         token = str(form.get("csrf", ""))
         if not hmac.compare_digest(token.encode(), operator.csrf.encode()):

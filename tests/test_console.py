@@ -22,7 +22,9 @@ from structlog.testing import capture_logs
 
 from proxy.console import CONSOLE_PATH, COOKIE, csrf_token
 from tests.conftest import ProxyFactory, new_key, route
+from tests.idp import IdentityProvider
 from tests.servers import ThreadServer, wait_for
+from tests.test_auth import auth_config
 
 TOKEN = "console-operator-7f3a"
 BODY = {"account": "acme", "amount": 42}
@@ -421,3 +423,51 @@ def test_sign_out_needs_the_csrf_token(plain: Setup) -> None:
     assert form(plain, "logout", csrf="x").status_code == 403
     out = form(plain, "logout")
     assert out.status_code == 303 and f'{COOKIE}=""' in out.headers["set-cookie"]
+
+
+def test_operators_sign_in_with_a_jwt_and_a_read_role_only_looks(
+    console_tool: ConsoleTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    proxy = make_proxy(
+        *console_routes(console_tool.url),  # type: ignore[attr-defined]
+        auth=auth_config(idp),
+        admin={"role": "tool-proxy-admin", "read_role": "tool-proxy-viewer"},
+    )
+    setup = Setup(proxy, console_tool)
+    record = failed_record_as(setup, "plan-jwt", idp.token("ops", roles=["tool-proxy-admin"]))
+    viewer = idp.token("val", roles=["tool-proxy-viewer"])
+    shown = httpx.get(f"{setup.url}records/{record}", headers={"Cookie": f"{COOKIE}={viewer}"})
+    assert shown.status_code == 200 and "(read-only)" in shown.text
+    assert "Resolve this unknown outcome" not in shown.text and "read-only role" in shown.text
+    fields = {"as": "released", "reason": "no", "confirm": "yes", "csrf": csrf_token(viewer)}
+    refused = httpx.post(
+        f"{setup.url}records/{record}/resolve",
+        data=fields,
+        headers={"Cookie": f"{COOKIE}={viewer}"},
+    )
+    assert refused.status_code == 403 and "tool-proxy-admin" in refused.text
+    api = httpx.get(
+        f"{proxy.url}/_proxy/admin/records", headers={"Authorization": f"Bearer {viewer}"}
+    )
+    assert api.status_code == 403  # the read role is the console's views only
+    nobody = idp.token("eve", roles=["reader"])
+    assert httpx.post(setup.url + "login", data={"token": nobody}).status_code == 403
+    ops = idp.token("ops", roles=["tool-proxy-admin"])
+    with capture_logs() as logs:
+        done = httpx.post(
+            f"{setup.url}records/{record}/resolve",
+            data={**fields, "csrf": csrf_token(ops)},
+            headers={"Cookie": f"{COOKIE}={ops}"},
+        )
+    assert done.status_code == 303
+    (event,) = [e for e in logs if e["event"] == "admin_record_released"]
+    assert event["admin"] == f"jwt iss={idp.issuer} sub=ops"
+
+
+def failed_record_as(setup: Setup, plan: str, token: str) -> str:
+    assert setup.call(new_key(BODY, 1, plan), delay=1.5).status_code == 504
+    listed = httpx.get(
+        setup.url + "records", params={"plan": plan}, headers={"Cookie": f"{COOKIE}={token}"}
+    )
+    (found,) = record_ids(listed.text)
+    return found
