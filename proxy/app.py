@@ -711,6 +711,7 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
                 proxy.queue,
                 proxy.hub,
                 proxy.caller,
+                proxy.offload,
             ),
         ],
         lifespan=lifespan,

@@ -33,17 +33,26 @@ import jinja2
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import FormData
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy import records
 from proxy.admin import READ_ONLY, AdminAuth
 from proxy.auth.callers import Authenticator, bearer_token
 from proxy.config import Config, RouteConfig
-from proxy.errors import Forbidden, InvalidField, OperationNotFound, ProxyError, Unauthorized
+from proxy.errors import (
+    Forbidden,
+    InvalidField,
+    OperationNotFound,
+    ProxyError,
+    RecordNotFound,
+    StoredResponseUnavailable,
+    Unauthorized,
+)
 from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, listing
 from proxy.logs import REDACTED, is_secret
+from proxy.offload import Offload
 from proxy.operations import STATES, Caller, Operations
 from proxy.store import JobState, Queue, Record, RecordKey, State, Store
 
@@ -190,9 +199,11 @@ class Console:
         auth: AdminAuth,
         desk: records.Records,
         operations: Operations | None,
+        offload: Offload | None,
         max_body: int,
     ) -> None:
         self.config = config
+        self.offload = offload
         self.store = store
         self.auth = auth
         self.desk = desk
@@ -351,6 +362,26 @@ class Console:
         data = resources.files("proxy").joinpath("static", name).read_bytes()
         headers = {**SECURITY_HEADERS, "Cache-Control": "no-cache"}
         return Response(data, media_type=STATIC[name], headers=headers)
+
+    async def body(self, request: Request) -> Response:
+        """A recorded body as a download (offloaded, or bytes that are not text): never
+        rendered by the browser (``attachment``, ``application/octet-stream``)."""
+        await self.operator(request)
+        record = await self.desk.get(records.parse_id(request.path_params["id"]))
+        response = records.stored(record)
+        if response is None:
+            raise RecordNotFound("nothing is recorded for this record")
+        content: bytes | AsyncIterator[bytes] = response.body
+        if response.ref is not None:
+            if self.offload is None:
+                raise StoredResponseUnavailable(
+                    "the body was offloaded, but no object store is configured now"
+                )
+            content = await self.offload.get(response.ref)
+        headers = {**SECURITY_HEADERS, "Content-Disposition": "attachment; filename=body.bin"}
+        if isinstance(content, bytes):
+            return Response(content, media_type="application/octet-stream", headers=headers)
+        return StreamingResponse(content, media_type="application/octet-stream", headers=headers)
 
     # -- views (each: parameters -> template context) --------------------------------
 
@@ -579,6 +610,7 @@ def console_routes(
     queue: Queue | None,
     hub: Hub | None,
     caller: Caller,
+    offload: Offload | None,
 ) -> Sequence[Route]:
     """The console, when ``admin`` is configured (none otherwise: 404 like the admin API);
     its operations view when some route runs long calls."""
@@ -589,7 +621,7 @@ def console_routes(
     operations = None
     if queue is not None and hub is not None:
         operations = Operations(jobs, queue, hub, caller, auth)
-    console = Console(config, store, auth, desk, operations, config.limits.max_body_bytes)
+    console = Console(config, store, auth, desk, operations, offload, config.limits.max_body_bytes)
     base, guard = CONSOLE_PATH, console.guard
     return [
         Route(base, guard(console.page("records")), methods=["GET"]),
@@ -600,6 +632,7 @@ def console_routes(
         Route(f"{base}live/{{view}}", guard(console.live), methods=["GET"]),
         Route(f"{base}records", guard(console.page("records")), methods=["GET"]),
         Route(f"{base}records/{{id}}", guard(console.page("record")), methods=["GET"]),
+        Route(f"{base}records/{{id}}/body", guard(console.body), methods=["GET"]),
         Route(f"{base}records/{{id}}/resolve", guard(console.resolve), methods=["POST"]),
         Route(f"{base}records/{{id}}/delete", guard(console.delete), methods=["POST"]),
         Route(f"{base}plans", guard(console.page("plan")), methods=["GET"]),

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from html import unescape
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -471,3 +472,30 @@ def failed_record_as(setup: Setup, plan: str, token: str) -> str:
     )
     (found,) = record_ids(listed.text)
     return found
+
+
+def test_an_offloaded_body_is_linked_as_a_download(
+    console_tool: ConsoleTool,
+    make_proxy: ProxyFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CONSOLE_ADMIN_TOKEN", TOKEN)
+    (tmp_path / "objects").mkdir()
+    proxy = make_proxy(
+        *console_routes(console_tool.url),  # type: ignore[attr-defined]
+        admin={"token_env": "CONSOLE_ADMIN_TOKEN"},
+        offload={"url": f"file://{tmp_path}/objects", "threshold_bytes": 10},
+    )
+    setup = Setup(proxy, console_tool)
+    answer = setup.call(new_key(BODY, 1, "plan-big"))
+    assert answer.status_code == 201
+    (record,) = record_ids(page(setup, "records", plan="plan-big").text)
+    shown = page(setup, f"records/{record}").text
+    assert "offloaded to object storage" in shown and SCRIPT not in shown
+    assert f'href="{CONSOLE_PATH}records/{record}/body" download' in shown
+    body = page(setup, f"records/{record}/body")
+    assert body.status_code == 200 and body.content == answer.content
+    assert body.headers["content-type"] == "application/octet-stream"
+    assert body.headers["content-disposition"].startswith("attachment")
+    assert httpx.get(f"{setup.url}records/{record}/body").status_code == 303  # signed in only
