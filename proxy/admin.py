@@ -42,6 +42,8 @@ from proxy.errors import (
 from proxy.keys import KeyKind, is_key_part
 from proxy.store import Store
 
+# How the identity of an operator signed in with ``admin.read_role`` ends (console only).
+READ_ONLY = " (read-only)"
 _RESOLVE_FIELDS = {"as", "status", "headers", "body", "body_base64", "reason"}
 
 
@@ -81,21 +83,33 @@ class AdminAuth:
 
     async def identity(self, request: Request) -> str:
         """The operator's identity for the audit log; 401 or 403 otherwise."""
-        token = bearer_token(request.headers.get("authorization"))
+        return await self.verify(bearer_token(request.headers.get("authorization")))
+
+    async def verify(self, token: str | None, *, looking: bool = False) -> str:
+        """The identity of an operator's credential (the admin token or a JWT with the
+        role), as ``identity``; the console passes the one its sign-in cookie holds. Only
+        ``looking`` (the console's views), a JWT with ``read_role`` is accepted too: its
+        identity ends with ``READ_ONLY``."""
         if token is None:
             raise Unauthorized("the admin API requires a bearer token", error="")
+        config, read_role = self._config, self._config.read_role if looking else None
         if self._token is not None:
             if hmac.compare_digest(token.encode(), str(self._token).encode()):
                 return "token"
-            raise Unauthorized("the admin token is not valid")
-        assert self._authenticator is not None and self._config.role is not None
+            if read_role is None:
+                raise Unauthorized("the admin token is not valid")
+        assert self._authenticator is not None
         caller = await self._authenticator.validate(token)
-        if not _has_role(caller.claims.get(self._config.roles_claim), self._config.role):
-            raise Forbidden(
-                f"the token does not carry the role {self._config.role!r} "
-                f"in its {self._config.roles_claim!r} claim"
-            )
-        return f"jwt iss={caller.claims['iss']} sub={caller.claims['sub']}"
+        identity = f"jwt iss={caller.claims['iss']} sub={caller.claims['sub']}"
+        roles = caller.claims.get(config.roles_claim)
+        if config.role is not None and _has_role(roles, config.role):
+            return identity
+        if read_role is not None and _has_role(roles, read_role):
+            return identity + READ_ONLY
+        wanted = " or ".join(repr(r) for r in (config.role, read_role) if r is not None)
+        raise Forbidden(
+            f"the token does not carry the role {wanted} in its {config.roles_claim!r} claim"
+        )
 
 
 class Steps:

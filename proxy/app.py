@@ -34,6 +34,7 @@ from proxy.config import (
     TokenMode,
     load_config,
 )
+from proxy.console import console_routes
 from proxy.errors import (
     BadRequest,
     CallerLeft,
@@ -758,6 +759,17 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
                 proxy.hub,
                 proxy.caller,
                 None if config.admin is None else AdminAuth(config.admin, proxy.auth),
+            ),
+            *console_routes(
+                config,
+                proxy.store,
+                proxy.auth,
+                proxy.log,
+                proxy.jobs,
+                proxy.queue,
+                proxy.hub,
+                proxy.caller,
+                proxy.offload,
             ),
         ],
         lifespan=lifespan,

@@ -992,6 +992,8 @@ class AdminConfig(_Strict):
     token_file: str | None = None
     role: str | None = None
     roles_claim: str = DEFAULT_ROLES_CLAIM
+    read_role: str | None = None
+    """A JWT role that may look at the console's views, and change nothing."""
 
     @model_validator(mode="after")
     def _one_credential(self) -> AdminConfig:
@@ -1040,6 +1042,8 @@ class Config(_Strict):
     def _admin_role_needs_auth(self) -> Config:
         if self.admin is not None and self.admin.role is not None and self.auth is None:
             raise ValueError("admin.role: needs a top-level auth section with trusted issuers")
+        if self.admin is not None and self.admin.read_role is not None and self.auth is None:
+            raise ValueError("admin.read_role: needs a top-level auth section with trusted issuers")
         return self
 
     def journal_dir(self) -> Path | None:

@@ -28,7 +28,8 @@ SECRET_WORDS = ("authorization", "cookie", "token", "secret", "password", "api_k
 
 
 @functools.lru_cache(maxsize=1024)
-def _is_secret(name: str) -> bool:
+def is_secret(name: str) -> bool:
+    """The name of a field, header or key reads like a credential (hidden in logs)."""
     low = name.lower()
     return any(word in low for word in SECRET_WORDS)
 
@@ -42,7 +43,7 @@ def redact(
 
 def _redact(mapping: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     for name, value in mapping.items():
-        if _is_secret(str(name)):
+        if is_secret(str(name)):
             mapping[name] = REDACTED
         elif isinstance(value, MutableMapping):
             _redact(value)

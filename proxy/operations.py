@@ -74,13 +74,18 @@ class Operations:
     async def _job(self, request: Request) -> tuple[Job, RouteJobs]:
         """The operation, if the caller may see it; else 404 (or 401 without a token on
         a route that requires one)."""
-        job = await self.queue.get(request.path_params["id"])
-        jobs = None if job is None else self.jobs.get(job.route)
-        if job is None or jobs is None:
-            raise OperationNotFound("no operation under this id (it may have expired)")
+        job, jobs = await self.find(request.path_params["id"])
         if await self._allowed(request, job, jobs.route):
             return job, jobs
         raise OperationNotFound("no operation under this id (it may have expired)")
+
+    async def find(self, job_id: str) -> tuple[Job, RouteJobs]:
+        """The operation under ``job_id`` and its route's jobs, whoever may see it; 404."""
+        job = await self.queue.get(job_id)
+        jobs = None if job is None else self.jobs.get(job.route)
+        if job is None or jobs is None:
+            raise OperationNotFound("no operation under this id (it may have expired)")
+        return job, jobs
 
     async def _allowed(self, request: Request, job: Job, route: RouteConfig) -> bool:
         if self.admin is not None and request.headers.get("authorization"):
@@ -127,9 +132,13 @@ class Operations:
 
     async def cancel(self, request: Request) -> Response:
         job, jobs = await self._job(request)
+        return JSONResponse(document(await self.cancel_job(job, jobs)))
+
+    async def cancel_job(self, job: Job, jobs: RouteJobs) -> Job:
+        """Cancel a queued operation (``job_cancelled``); 409 for a running or ended one."""
         cancelled = await jobs.cancel(job)
         if cancelled is not None:
-            return JSONResponse(document(cancelled))
+            return cancelled
         current = await self.queue.get(job.id) or job
         if current.state is JobState.RUNNING:
             raise OperationConflict(
@@ -166,6 +175,13 @@ class Operations:
         assert self.admin is not None
         admin = await self.admin.identity(request)
         job, jobs = await self._job(request)
+        return JSONResponse(document(await self.requeue_job(job, jobs, admin)))
+
+    async def requeue_job(
+        self, job: Job, jobs: RouteJobs, admin: str, reason: str | None = None
+    ) -> Job:
+        """Queue a dead operation again for operator ``admin`` (audited ``job_requeued``,
+        with the ``reason`` given); 409 if it is not dead, or its key was used since."""
         if job.state is not JobState.DEAD:
             raise OperationConflict(f"the operation is {job.state.value}: only a dead one")
         requeued = await jobs.requeue(job)
@@ -174,8 +190,9 @@ class Operations:
                 "the operation's Idempotency-Key was used again since it died (or it was "
                 "requeued meanwhile): it is not queued again, so the call cannot run twice"
             )
-        jobs.log.warning("job_requeued", route=job.route, job=job.id, admin=admin)
-        return JSONResponse(document(requeued))
+        said = {} if reason is None else {"reason": reason}
+        jobs.log.warning("job_requeued", route=job.route, job=job.id, admin=admin, **said)
+        return requeued
 
 
 def _last_event_id(request: Request) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -147,6 +149,51 @@ def test_serve_refuses_an_invalid_config(tmp_path: Path) -> None:
     result = cli("serve", "--config", write(tmp_path, {"routes": []}))
     assert result.returncode == 2
     assert "routes:" in result.stderr
+
+
+def test_demo_lines_work_in_a_fresh_shell_and_its_console_shows_the_plan() -> None:
+    demo = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "demo",
+            "--port",
+            str(free_port()),
+            "--tool-port",
+            str(free_port()),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert demo.stdout is not None
+        lines: list[str] = []
+        while not (lines and lines[-1].lstrip().startswith(sys.executable.rpartition("/")[0])):
+            line = demo.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        text = "".join(lines)
+        console = re.search(r"The operator console: (\S+)", text)
+        token = re.search(r"sign in with the admin token (\S+)", text)
+        assert console is not None and token is not None, text
+        page = httpx.get(console.group(1), headers={"Authorization": f"Bearer {token.group(1)}"})
+        assert page.status_code == 200 and "Step 1" in page.text and "state-completed" in page.text
+        typed = text.split("Try it yourself (Ctrl-C to stop):\n")[1]
+        shell = subprocess.run(
+            ["bash", "-e", "-c", typed + "\n"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+        )
+        assert shell.returncode == 0, shell.stderr
+        assert "HTTP/1.1 201" in shell.stdout and '"plan": "my-plan"' in shell.stdout
+    finally:
+        demo.terminate()
+        demo.communicate(timeout=20)
 
 
 def test_demo_shows_a_conflict_and_a_replay() -> None:

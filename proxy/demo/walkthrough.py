@@ -1,13 +1,17 @@
 """``tool-proxy demo``: the proxy on the embedded store in front of the demo tool.
 
 It starts both, then plays an agent whose call times out: the duplicate sent while the
-first call works gets 409, the retry after it finished gets the stored response.
+first call works gets 409, the retry after it finished gets the stored response. The
+operator console (``/_proxy/console/``) is on, with a fresh admin token, and the printed
+lines work as they are in any shell (they name this virtualenv's ``tool-proxy``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -23,16 +27,18 @@ from pathlib import Path
 import uvicorn
 import yaml
 
+from proxy.console import CONSOLE_PATH
 from proxy.demo.tool import create_tool_app
 from proxy.keys import composite_key
 
 TOOL_DELAY_SECONDS = 2.0
 
 
-def demo_config(port: int, tool_port: int, store_path: Path) -> dict[str, object]:
+def demo_config(port: int, tool_port: int, store_path: Path, token_file: Path) -> dict[str, object]:
     """The configuration the demo runs with (also a small example of the format)."""
     return {
         "store": {"url": f"sqlite://{store_path}"},
+        "admin": {"token_file": str(token_file)},
         "server": {"host": "127.0.0.1", "port": port},
         "routes": [
             {
@@ -96,10 +102,12 @@ def _start_tool(port: int) -> uvicorn.Server:
     return server
 
 
-def _walk(base: str, tool: str) -> None:
+def _walk(base: str, tool: str) -> str:
+    """The walkthrough; the plan session it made."""
     args = {"account": "acme", "amount": 42, "delay": TOOL_DELAY_SECONDS}
     body = json.dumps(args).encode()
-    key = composite_key(f"demo-{uuid.uuid4().hex[:8]}", 1, args)
+    plan = f"demo-{uuid.uuid4().hex[:8]}"
+    key = composite_key(plan, 1, args)
     url = f"{base}/tools/charge"
     print(f"1. POST {url}\n   Idempotency-Key: {key}\n   body: {body.decode()}")
     print(
@@ -122,13 +130,31 @@ def _walk(base: str, tool: str) -> None:
     )
     executions = json.loads(_call(f"{tool}/tools/charge/executions")[2])["executions"]
     print(f"   The tool executed the charge {executions} time(s).\n")
+    return plan
+
+
+def _try_it(base: str, config: Path, plan: str) -> None:
+    """Lines to paste in a fresh shell: this virtualenv's ``tool-proxy``, not the PATH's."""
+    command = shlex.quote(str(Path(sys.executable).with_name("tool-proxy")))
+    print("Try it yourself (Ctrl-C to stop):")
+    print('  BODY=\'{"account":"acme","amount":7}\'')
+    print(f'  KEY=$(echo "$BODY" | {command} key --plan my-plan --step 1)')
+    print(
+        f'  curl -i {base}/tools/charge -H "Idempotency-Key: $KEY" '
+        "-H 'Content-Type: application/json' -d \"$BODY\""
+    )
+    print(f"  {command} records list --config {shlex.quote(str(config))} --plan my-plan")
 
 
 def run(port: int, tool_port: int, once: bool) -> int:
     """Start the demo, walk through it, and serve until Ctrl-C (or return if ``once``)."""
     workdir = Path(tempfile.mkdtemp(prefix="tool-proxy-demo-"))
     config_path = workdir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(demo_config(port, tool_port, workdir / "state.db")))
+    token, token_file = secrets.token_urlsafe(18), workdir / "admin-token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    config = demo_config(port, tool_port, workdir / "state.db", token_file)
+    config_path.write_text(yaml.safe_dump(config))
     log_path = workdir / "proxy.log"
     tool = _start_tool(tool_port)
     base, tool_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tool_port}"
@@ -144,16 +170,13 @@ def run(port: int, tool_port: int, once: bool) -> int:
         _wait_ready(f"{base}/_proxy/readyz", proxy)
         print(f"tool-proxy demo: {base} -> demo tool {tool_url}")
         print(f"config {config_path}, store {workdir / 'state.db'}, JSON logs in {log_path}\n")
-        _walk(base, tool_url)
+        plan = _walk(base, tool_url)
+        print(f"The operator console: {base}{CONSOLE_PATH}plans?plan={plan}")
+        print(f"   sign in with the admin token {token} (also in {token_file})\n")
         if once:
             return 0
-        print("Try it yourself (Ctrl-C to stop):")
-        print('  BODY=\'{"account":"acme","amount":7}\'')
-        print('  KEY=$(echo "$BODY" | tool-proxy key --plan my-plan --step 1)')
-        print(
-            f'  curl -i {base}/tools/charge -H "Idempotency-Key: $KEY" '
-            "-H 'Content-Type: application/json' -d \"$BODY\""
-        )
+        _try_it(base, config_path, plan)
+        sys.stdout.flush()
         proxy.wait()
     except KeyboardInterrupt:
         pass
