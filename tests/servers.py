@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -525,3 +526,93 @@ class Relay:
         finally:
             self._open.discard(writer)
             writer.transport.abort()
+
+
+def free_bus_port() -> int:
+    """A free port whose cluster bus port (itself plus 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with contextlib.suppress(OSError), socket.socket() as sock:
+                sock.bind(("127.0.0.1", port + 10000))
+                return port
+
+
+CLUSTER_CREATE = ("--cluster-replicas", "1", "--cluster-yes")
+CLUSTER_NODE = (
+    *("--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--protected-mode", "no"),
+    *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+    *("--cluster-node-timeout", "2000"),
+)
+
+
+class RedisCluster:
+    """A real Redis Cluster on free ports: ``primaries`` redis-server processes with
+    ``--cluster-enabled yes`` and a replica each, joined by ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, primaries: int = 3) -> None:
+        self.directory = directory
+        self.ports = [free_bus_port() for _ in range(primaries * 2)]
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        """The store URL: every node a seed."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> RedisCluster:
+        try:
+            for port in self.ports:
+                self.start_node(port)
+            nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            subprocess.run(
+                ["redis-cli", "--cluster", "create", *nodes, *CLUSTER_CREATE],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=60,
+            )
+            wait_for(self.ready, seconds=30, what="redis cluster")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_node(self, port: int) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (scripts/install installs it)"
+        node_dir = self.directory / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            [binary, "--port", str(port), "--dir", str(node_dir), *CLUSTER_NODE],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: self.cli(port, "PING") == "PONG", what=f"redis node {port}")
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    def ready(self) -> bool:
+        """Every node sees the cluster ok, every slot served, every replica in sync."""
+        for port in self.ports:
+            if "cluster_state:ok" not in self.cli(port, "CLUSTER", "INFO"):
+                return False
+        roles = [self.cli(p, "ROLE").splitlines() for p in self.ports]
+        replicas = [r for r in roles if r and r[0] == "slave"]
+        return len(replicas) == len(self.ports) // 2 and all(r[3] == "connected" for r in replicas)
+
+    def primaries(self) -> list[int]:
+        return [p for p in self.ports if self.cli(p, "ROLE").splitlines()[:1] == ["master"]]
+
+    def flush(self) -> None:
+        for port in self.primaries():
+            self.cli(port, "FLUSHALL")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+            process.wait(10)
+        self.processes.clear()

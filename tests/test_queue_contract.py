@@ -21,7 +21,7 @@ from proxy.store import redis as redis_store
 from proxy.store.queue import job_shard
 from proxy.store.redis import _SWEEP_JOBS, GROUP, ROUTES_KEY, RedisStore, queue_key
 from proxy.store.sqlite import SQLiteStore
-from tests.conftest import Clock, Later, clocked_store
+from tests.conftest import CONTRACT_STORES, Clock, Later, clocked_store, each_store_url
 
 pytestmark = pytest.mark.anyio
 
@@ -30,6 +30,10 @@ KEEP = 60.0
 ACTIVE = frozenset({JobState.QUEUED, JobState.RUNNING})
 QUEUED = frozenset({JobState.QUEUED})
 RUNNING = frozenset({JobState.RUNNING})
+
+
+# Every backend, and a Redis Cluster.
+store_url = pytest.fixture(params=CONTRACT_STORES)(each_store_url)
 
 
 async def kept_events(queue: Queue, id: str, after: int) -> list[Job]:

@@ -57,6 +57,7 @@ from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
 from proxy.store.locks import Grant, Version
 from proxy.store.queue import Job, JobState, job_shard
+from proxy.store.redis_nodes import ClusterCoalescer, SentinelCoalescer, seeds
 from proxy.store.redis_scripts import SCRIPTS, Script
 
 KEY_PREFIX = "tp:"
@@ -165,9 +166,10 @@ class Coalescer:
         self._pending: list[tuple[Command, bool, asyncio.Future[Any]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def call(self, *command: Any, resend: bool = False) -> Any:
+    async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
         """Send ``command`` (now, or with the next batch) and return its reply;
-        ``resend``: safe to send again if its reply is lost (see the class)."""
+        ``resend``: safe to send again if its reply is lost (see the class). ``key``
+        routes a command in a cluster (``ClusterCoalescer``); one node holds them all."""
         if self._busy:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._pending.append((command, resend, future))
@@ -175,6 +177,24 @@ class Coalescer:
         self._busy = True
         try:
             (reply,) = await self._round_trip([command], [resend])
+        finally:
+            self._next()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def call_asking(self, *command: Any, resend: bool = False) -> Any:
+        """``ASKING`` then ``command``, next to each other in one round trip (a Cluster's
+        migration under way: ``ClusterCoalescer``)."""
+        loop = asyncio.get_running_loop()
+        if self._busy:
+            asking, future = loop.create_future(), loop.create_future()
+            asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._pending += [(("ASKING",), True, asking), (command, resend, future)]
+            return await future
+        self._busy = True
+        try:
+            _, reply = await self._round_trip([("ASKING",), command], [True, resend])
         finally:
             self._next()
         if isinstance(reply, Exception):
@@ -270,6 +290,17 @@ async def _reply(connection: AbstractConnection) -> Any:
         return exc
 
 
+def _pool(url: str) -> ConnectionPool:
+    """The connections of one Redis node (``redis://`` or ``rediss://``)."""
+    return ConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        socket_connect_timeout=SOCKET_CONNECT_TIMEOUT,
+        socket_timeout=SOCKET_TIMEOUT,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), RETRIES),
+    )
+
+
 class RedisStore:
     """Lua scripts over one pooled ``redis.asyncio`` client (hiredis parser when installed)."""
 
@@ -277,15 +308,17 @@ class RedisStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        pool = ConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            socket_connect_timeout=SOCKET_CONNECT_TIMEOUT,
-            socket_timeout=SOCKET_TIMEOUT,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), RETRIES),
-        )
-        self._redis = Redis.from_pool(pool)
-        self._coalescer = Coalescer(pool)
+        scheme = url.partition("://")[0]
+        self._redis: Redis | None = None
+        self._coalescer: Coalescer | ClusterCoalescer | SentinelCoalescer
+        if scheme.endswith("+cluster"):
+            self._coalescer = ClusterCoalescer(url, _pool)
+        elif scheme.endswith("+sentinel"):
+            self._coalescer = SentinelCoalescer(url, _pool)
+        else:
+            pool = _pool(url)
+            self._redis = Redis.from_pool(pool)
+            self._coalescer = Coalescer(pool)
         self._queue: RedisQueue | None = None
 
     async def _script(
@@ -297,12 +330,13 @@ class RedisStore:
             raise TypeError(f"redis script {script.name} takes {script.keys} keys, not {len(keys)}")
         again = script.name in RESENDABLE if resend is None else resend
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        key = keys[0] if keys else None
         try:
             try:
-                return await self._coalescer.call(*command, resend=again)
+                return await self._coalescer.call(*command, resend=again, key=key)
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
-                await self._coalescer.call("SCRIPT", "LOAD", script.source, resend=True)
-                return await self._coalescer.call(*command, resend=again)
+                await self._coalescer.call("SCRIPT", "LOAD", script.source, resend=True, key=key)
+                return await self._coalescer.call(*command, resend=again, key=key)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except RedisError as exc:
@@ -390,16 +424,31 @@ class RedisStore:
         return position, [m.decode() for m in members]
 
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
-        """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
-        position, names = await self._command(
-            "SCAN",
-            cursor or "0",
-            "MATCH",
-            f"{KEY_PREFIX}{{*}}:r:*",
-            "COUNT",
-            max(count, 1),
-            resend=True,
-        )
+        """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call.
+        On a cluster, primary after primary (the cursor ``<primary>:<its cursor>``)."""
+        scan = ("SCAN", cursor or "0", "MATCH", f"{KEY_PREFIX}{{*}}:r:*", "COUNT", max(count, 1))
+        if isinstance(self._coalescer, ClusterCoalescer):
+            return await self._scan_cluster(self._coalescer, cursor, scan)
+        position, names = await self._command(*scan, resend=True)
+        return await self._scanned(position, names)
+
+    async def _scan_cluster(
+        self, cluster: ClusterCoalescer, cursor: str, scan: tuple[Any, ...]
+    ) -> tuple[str, list[Record]]:
+        primaries = await cluster.primaries()
+        index, _, position = (cursor or "0:0").partition(":")
+        address = primaries[min(int(index), len(primaries) - 1)]
+        try:
+            at, names = await cluster.call_at(address, scan[0], position, *scan[2:], resend=True)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
+        next_, found = await self._scanned(at, names)
+        if next_:
+            return f"{index}:{next_}", found
+        more = int(index) + 1 < len(primaries)
+        return (f"{int(index) + 1}:0" if more else ""), found
+
+    async def _scanned(self, position: Any, names: list[bytes]) -> tuple[str, list[Record]]:
         found = []
         for raw in names:
             key = _parse_record_key(raw.decode())
@@ -426,8 +475,9 @@ class RedisStore:
 
     async def _command(self, *command: Any, resend: bool = False) -> Any:
         """One plain command; ``resend`` as for ``Coalescer.call`` (reads, plain SETs)."""
+        key = command[1] if len(command) > 1 else None
         try:
-            return await self._coalescer.call(*command, resend=resend)
+            return await self._coalescer.call(*command, resend=resend, key=key)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except (RedisError, OSError) as exc:
@@ -459,19 +509,30 @@ class RedisStore:
         await self.queue().sweep()
         return 0
 
-    def _subscriber(self) -> PubSub:
-        """A pub/sub client over a connection of its own (``RedisQueue.changes``)."""
-        return self._redis.pubsub()
+    async def _subscriber(self) -> PubSub:
+        """A pub/sub client over a connection of its own (``RedisQueue.changes``): on a
+        cluster's node or the sentinels' primary, whose PUBLISH reach it."""
+        if self._redis is not None:
+            return self._redis.pubsub()
+        assert not isinstance(self._coalescer, Coalescer)
+        host, port = await self._coalescer.subscriber_address()
+        _, node_url = seeds(self.url)
+        return Redis.from_pool(_pool(node_url.format(f"{host}:{port}"))).pubsub()
 
     async def ping(self) -> None:
         try:
+            if self._redis is None:
+                assert not isinstance(self._coalescer, Coalescer)
+                await self._coalescer.ping()
+                return
             await self._redis.ping()
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         await self._coalescer.close()
-        await self._redis.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()
 
     def buckets(self) -> RedisBuckets:
         """The rate buckets in the same Redis, over the same coalesced connection."""
@@ -899,7 +960,7 @@ class RedisQueue:
 
     async def changes(self) -> AsyncIterator[str]:
         """Over a connection of its own (SUBSCRIBE), closed when the iterator is."""
-        pubsub = self._store._subscriber()
+        pubsub = await self._store._subscriber()
         try:
             await pubsub.subscribe(CHANNEL)
             while True:
