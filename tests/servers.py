@@ -616,3 +616,89 @@ class RedisCluster:
             process.kill()
             process.wait(10)
         self.processes.clear()
+
+
+class RedisSentinels:
+    """A real primary, a replica of it and three ``redis-sentinel`` processes watching it
+    (quorum 2, a primary down after 1 s), on free ports."""
+
+    NAME = "tp"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.primary = RedisServer()
+        self.replica = RedisServer()
+        self.ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"redis+sentinel://{hosts}/{self.NAME}"
+
+    def start(self) -> RedisSentinels:
+        try:
+            self.primary.start()
+            self.replica.start()
+            self.cli(self.replica.port, "REPLICAOF", "127.0.0.1", str(self.primary.port))
+            wait_for(lambda: self.synced(self.primary.port), what="replica in sync")
+            for port in self.ports:
+                self.sentinels.append(self._sentinel(port))
+            wait_for(self.watching, seconds=30, what="sentinels")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sentinel(self, port: int) -> subprocess.Popen[bytes]:
+        conf = self.directory / f"sentinel-{port}.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\n"
+            f"sentinel monitor {self.NAME} 127.0.0.1 {self.primary.port} 2\n"
+            f"sentinel down-after-milliseconds {self.NAME} 1000\n"
+            f"sentinel failover-timeout {self.NAME} 5000\n"
+        )
+        binary = shutil.which("redis-sentinel")
+        command = [binary, str(conf)] if binary else ["redis-server", str(conf), "--sentinel"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: self.cli(port, "PING") == "PONG", what=f"sentinel {port}")
+        return process
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    def synced(self, primary: int) -> bool:
+        """The primary's replica is connected and has every write (same offset)."""
+        info = dict(
+            line.split(":", 1)
+            for line in self.cli(primary, "INFO", "replication").splitlines()
+            if ":" in line
+        )
+        replica = info.get("slave0", "")
+        return "state=online" in replica and f"offset={info['master_repl_offset']}," in replica
+
+    def watching(self) -> bool:
+        """Every sentinel knows the replica and the two other sentinels."""
+        for port in self.ports:
+            fields = self.cli(port, "SENTINEL", "MASTER", self.NAME).splitlines()
+            master = dict(zip(fields[::2], fields[1::2], strict=False))
+            if master.get("num-slaves") != "1" or master.get("num-other-sentinels") != "2":
+                return False
+        return True
+
+    def primary_port(self) -> int:
+        """The port the sentinels name as the primary now."""
+        reply = self.cli(self.ports[0], "SENTINEL", "get-master-addr-by-name", self.NAME)
+        return int(reply.splitlines()[1])
+
+    def stop(self) -> None:
+        for process in self.sentinels:
+            process.kill()
+            process.wait(10)
+        self.sentinels.clear()
+        for server in (self.primary, self.replica):
+            if server.process is not None:
+                server.kill()

@@ -213,6 +213,9 @@ class SentinelCoalescer:
         self._pools = pools
         self._primary: Any = None
         self._address: Address | None = None
+        # Coalescers of former primaries: calls in flight may still use (and reconnect)
+        # them, so they are closed with the store.
+        self._former: list[Any] = []
         self._finding: asyncio.Lock | None = None
 
     @property
@@ -265,6 +268,7 @@ class SentinelCoalescer:
     async def _forget(self, primary: Any) -> None:
         if self._primary is primary:
             self._primary = self._address = None
+            self._former.append(primary)
             await primary.close()
 
     async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
@@ -291,5 +295,6 @@ class SentinelCoalescer:
         return self._address
 
     async def close(self) -> None:
-        if self._primary is not None:
-            await self._primary.close()
+        for node in [*self._former, self._primary]:
+            if node is not None:
+                await node.close()
