@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import httpx
 import redis
@@ -22,11 +23,16 @@ def _node(port: int) -> redis.Redis:
     return redis.Redis(port=port)
 
 
+def _do(node: redis.Redis, *command: object) -> Any:
+    """One command to one node (CLUSTER ..., which redis-py leaves untyped)."""
+    return node.execute_command(*command)  # type: ignore[no-untyped-call]
+
+
 def _slot_owner(cluster: RedisCluster, slot: int) -> int:
     """The port of the primary that serves ``slot``, as every node sees it."""
     owners = set()
     for port in cluster.primaries():
-        for start, end, primary, *_ in _node(port).execute_command("CLUSTER", "SLOTS"):
+        for start, end, primary, *_ in _do(_node(port), "CLUSTER", "SLOTS"):
             if start <= slot <= end:
                 owners.add(int(primary[1]))
     assert len(owners) == 1, owners
@@ -62,16 +68,16 @@ class Migration(threading.Thread):
 
     def _migrate(self) -> None:
         source, target = _node(self.source), _node(self.target)
-        source_id = source.execute_command("CLUSTER", "MYID").decode()
-        target_id = target.execute_command("CLUSTER", "MYID").decode()
-        target.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", source_id)
-        source.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", target_id)
-        while keys := source.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1):
+        source_id = _do(source, "CLUSTER", "MYID").decode()
+        target_id = _do(target, "CLUSTER", "MYID").decode()
+        _do(target, "CLUSTER", "SETSLOT", self.slot, "IMPORTING", source_id)
+        _do(source, "CLUSTER", "SETSLOT", self.slot, "MIGRATING", target_id)
+        while keys := _do(source, "CLUSTER", "GETKEYSINSLOT", self.slot, 1):
             source.migrate("127.0.0.1", self.target, keys, 0, 5000)
             self.moved += len(keys)
             time.sleep(0.02)  # pace: the calls meet the slot half moved
         for port in self.cluster.primaries():
-            _node(port).execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+            _do(_node(port), "CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
 
 
 async def _call(
