@@ -43,6 +43,8 @@ def test_config_holds_the_example_deployments() -> None:
         "sidecar",
         "redis-offload-s3",
         "auth-token-exchange",
+        "redis-cluster",
+        "redis-sentinel",
     }
 
 
