@@ -528,6 +528,19 @@ class Relay:
             writer.transport.abort()
 
 
+def replica_synced(primary: int) -> bool:
+    """The replica of the Redis primary on ``primary`` is online and has every write."""
+    done = subprocess.run(
+        ["redis-cli", "-p", str(primary), "INFO", "replication"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    info = dict(line.split(":", 1) for line in done.stdout.splitlines() if ":" in line)
+    replica = info.get("slave0", "")
+    return "state=online" in replica and f"offset={info['master_repl_offset'].strip()}," in replica
+
+
 def free_bus_port() -> int:
     """A free port whose cluster bus port (itself plus 10000) is free too."""
     while True:
@@ -671,14 +684,7 @@ class RedisSentinels:
         return done.stdout.strip()
 
     def synced(self, primary: int) -> bool:
-        """The primary's replica is connected and has every write (same offset)."""
-        info = dict(
-            line.split(":", 1)
-            for line in self.cli(primary, "INFO", "replication").splitlines()
-            if ":" in line
-        )
-        replica = info.get("slave0", "")
-        return "state=online" in replica and f"offset={info['master_repl_offset']}," in replica
+        return replica_synced(primary)
 
     def watching(self) -> bool:
         """Every sentinel knows the replica and the two other sentinels."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ import redis
 from redis.crc import key_slot
 
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, RedisCluster
+from tests.servers import CountingTool, RedisCluster, replica_synced, wait_for
 
 PLAN = "plan-migrating"
 CALLS = 24
@@ -128,3 +129,39 @@ def test_a_slot_migrated_during_guarded_calls_loses_nothing_and_runs_nothing_twi
     assert sorted(tool.executions.values()) == [1] * CALLS * 2
     first = {r.request.headers["idempotency-key"]: r.content for r in [*earlier, *during]}
     assert all(first[r.request.headers["idempotency-key"]] == r.content for r in after)
+
+
+def test_a_primary_killed_during_guarded_calls_fails_closed_then_its_replica_serves(
+    tool: CountingTool, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    """The primary of the plan's slot is killed while calls run (their claims replicated):
+    new calls get 503 until its replica is promoted, then everything works and nothing
+    ran twice. A cluster of the test's own: it loses a node."""
+    cluster = RedisCluster(tmp_path).start()
+    try:
+        proxy = make_proxy(route(tool.url), store=cluster.url)
+        url = f"{proxy.url}/tools/p?delay=0.3"
+        refused: list[httpx.Response] = []
+        before = asyncio.run(_run(url, range(4), refused))
+        primary = _slot_owner(cluster, _record_slot(cluster))
+
+        async def kill_during_calls() -> list[httpx.Response]:
+            running = asyncio.ensure_future(_run(url, range(4, 12), refused))
+            await asyncio.to_thread(wait_for, lambda: len(tool.arrived) == 12, 10, "calls sent")
+            await asyncio.to_thread(wait_for, lambda: replica_synced(primary), 10, "replicated")
+            killed = cluster.processes.pop(primary)
+            killed.kill()
+            killed.wait(10)
+            late = await _run(url, range(12, 16), refused)  # while the slot has no primary
+            return [*await running, *late]
+
+        during = asyncio.run(kill_during_calls())
+        assert 503 in {r.status_code for r in refused}
+        assert _slot_owner(cluster, _record_slot(cluster)) != primary
+        after = asyncio.run(_run(url, range(16), refused))
+        answers = [*before, *during, *after]
+        assert [r.status_code for r in answers] == [200] * len(answers)
+        assert all(r.headers.get("idempotent-replayed") == "true" for r in after)
+        assert sorted(tool.executions.values()) == [1] * 16
+    finally:
+        cluster.stop()
