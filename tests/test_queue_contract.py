@@ -55,7 +55,7 @@ def queue(opened: Store) -> Queue:
 
 def jid(name: str, route: str = "slow") -> str:
     """A job id of ``route`` (``new_job_id``'s form) ending in ``name``."""
-    return f"{job_shard(route)}.{name}"
+    return f"{job_shard(route)}~{name}"
 
 
 def job(id: str = "", route: str = "slow", keep: float = KEEP) -> Job:

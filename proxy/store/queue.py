@@ -67,8 +67,9 @@ def job_shard(route: str) -> str:
 
 
 def new_job_id(route: str) -> str:
-    """A fresh id for a job of ``route``: its shard, a dot, 24 random URL-safe characters."""
-    return f"{job_shard(route)}.{secrets.token_urlsafe(18)}"
+    """A fresh id for a job of ``route``: its shard, ``~``, 24 random URL-safe characters
+    (no dot: a record's owner ``job.<id>.<token>`` is split at dots)."""
+    return f"{job_shard(route)}~{secrets.token_urlsafe(18)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -777,7 +777,7 @@ def queue_key(kind: str, shard: str, name: str = "") -> str:
 
 def _shard_of(id: str) -> str:
     """The shard a job id starts with (``new_job_id``)."""
-    return id.partition(".")[0]
+    return id.partition("~")[0]
 
 
 class RedisQueue:
@@ -920,7 +920,7 @@ class RedisQueue:
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
         """Route by route (by shard), each route's jobs by id; the cursor is the last id
-        listed, or ``<shard>.`` to start a route."""
+        listed, or ``<shard>~`` to start a route."""
         shards = sorted({job_shard(r.decode()) for r in await self._routes_stored()})
         shard = _shard_of(cursor) if cursor else (shards[0] if shards else "")
         if shard not in shards:
@@ -944,7 +944,7 @@ class RedisQueue:
         if len(ids) == count:
             return ids[-1].decode(), jobs
         later = shards[shards.index(shard) + 1 :]
-        return (f"{later[0]}." if later else ""), jobs
+        return (f"{later[0]}~" if later else ""), jobs
 
     async def _routes_stored(self) -> Sequence[bytes]:
         return list(await self._store._command("SMEMBERS", ROUTES_KEY, resend=True))
