@@ -119,6 +119,8 @@ _METHOD = re.compile(r"[A-Z]{1,20}")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 _QUOTA = re.compile(r"\d+(?:\.\d+)?")
 _STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "postgresql", "postgres")
+# Redis Cluster (seed nodes) and Sentinel (the sentinels, then /<master-name>).
+_REDIS_TOPOLOGIES = ("+cluster", "+sentinel")
 _ASYMMETRIC_ALGORITHMS = (
     "RS256",
     "RS384",
@@ -1113,9 +1115,14 @@ def check_json_source(value: str) -> str:
 def check_store_url(url: str) -> str:
     """Raise ValueError unless ``url`` names a known store."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
+    base, plus, topology = scheme.partition("+")
+    if base in ("redis", "rediss") and plus and plus + topology in _REDIS_TOPOLOGIES:
+        return _check_redis_nodes(url, topology)
     if scheme not in _STORE_SCHEMES:
         raise ValueError(
-            "must be memory://, sqlite:///path, redis://..., rediss://... or postgresql://..."
+            "must be memory://, sqlite:///path, redis://..., rediss://..., "
+            "redis+cluster://host:port[,host:port...], "
+            "redis+sentinel://host:port[,host:port...]/<master-name> or postgresql://..."
         )
     if scheme == "sqlite" and not url.removeprefix("sqlite://"):
         raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
@@ -1123,6 +1130,20 @@ def check_store_url(url: str) -> str:
         from proxy.store.postgres import parse_postgres_url
 
         parse_postgres_url(url)
+    return url
+
+
+def _check_redis_nodes(url: str, topology: str) -> str:
+    """A ``redis+cluster://`` URL names host:port seeds; ``redis+sentinel://`` also the
+    master's name (its path)."""
+    rest = url.split("://", 1)[1]
+    hosts, _, path = rest.partition("?")[0].rpartition("@")[2].partition("/")
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis+{topology}://: {item!r} is not host:port")
+    if topology == "sentinel" and not path.strip("/"):
+        raise ValueError("redis+sentinel:// needs the master's name: .../<master-name>")
     return url
 
 

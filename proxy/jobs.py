@@ -63,6 +63,7 @@ from proxy.problems import problem_body
 from proxy.records import iso
 from proxy.replay import reply
 from proxy.store import Job, JobState, Queue, Record, RecordKey, State, Store
+from proxy.store.queue import new_job_id
 
 OPERATIONS_PATH = "/_proxy/operations/"
 JOB_OWNER = "job."
@@ -338,7 +339,7 @@ class RouteJobs:
         """A new job for this key (its request kept in the queue), or the job that
         already holds it, not ended; None if the key's record is no job's in progress
         (a live call's, or an ended one)."""
-        job_id = secrets.token_urlsafe(18)
+        job_id = new_job_id(self.route.name)
         owner = JOB_OWNER + job_id
         for _ in range(2):
             record = await self.guard.claim_job(op, owner, self.config.max_queued)

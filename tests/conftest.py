@@ -23,7 +23,7 @@ from proxy.store.redis import RedisStore
 from proxy.store.sqlite import SQLiteStore
 from tests.idp import IdentityProvider
 from tests.postgres_server import PostgresServer
-from tests.servers import CountingTool, RedisServer, ThreadServer
+from tests.servers import CountingTool, RedisCluster, RedisServer, ThreadServer
 
 ProxyFactory = Callable[..., ThreadServer]
 
@@ -127,8 +127,17 @@ def route(
     return spec
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis", "postgres"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A real Redis Cluster (3 primaries, 3 replicas), shared by the session."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+def each_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of the store ``request.param`` names, emptied: memory, sqlite, redis, or
+    redis-cluster (only the contract suites ask for it: ``CONTRACT_STORES``)."""
     if request.param == "memory":
         return "memory://"
     if request.param == "sqlite":
@@ -136,9 +145,19 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "postgres":
         url: str = request.getfixturevalue("postgres_url")
         return url
+    if request.param == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        return cluster.url
     redis: RedisServer = request.getfixturevalue("redis_server")
     redis.flush()
     return redis.url
+
+
+STORES = ["memory", "sqlite", "redis", "postgres"]
+# The contract suites also run on a Redis Cluster (a module's own ``store_url`` fixture).
+CONTRACT_STORES = [*STORES, "redis-cluster"]
+store_url = pytest.fixture(params=STORES)(each_store_url)
 
 
 @pytest.fixture
@@ -239,6 +258,13 @@ def stored_entries(store: Store, part: str) -> int:
     if isinstance(store, PostgresStore):  # its sweep: tests/test_postgres.py
         pytest.skip("the PostgreSQL sweep has its own test (tests/test_postgres.py)")
     assert isinstance(store, RedisStore)
+    if store.url.startswith("redis+cluster://"):
+        host, _, port = store.url.removeprefix("redis+cluster://").split(",")[0].partition(":")
+        nodes = redis.RedisCluster(host=host, port=int(port))
+        try:
+            return sum(1 for _ in nodes.scan_iter(match=_PATTERNS[part]))
+        finally:
+            nodes.close()
     client = redis.Redis.from_url(store.url)
     try:
         return sum(1 for _ in client.scan_iter(match=_PATTERNS[part]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -525,3 +526,185 @@ class Relay:
         finally:
             self._open.discard(writer)
             writer.transport.abort()
+
+
+def replica_synced(primary: int) -> bool:
+    """The replica of the Redis primary on ``primary`` is online and has every write."""
+    done = subprocess.run(
+        ["redis-cli", "-p", str(primary), "INFO", "replication"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    info = dict(line.split(":", 1) for line in done.stdout.splitlines() if ":" in line)
+    replica = info.get("slave0", "")
+    return "state=online" in replica and f"offset={info['master_repl_offset'].strip()}," in replica
+
+
+def free_bus_port() -> int:
+    """A free port whose cluster bus port (itself plus 10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with contextlib.suppress(OSError), socket.socket() as sock:
+                sock.bind(("127.0.0.1", port + 10000))
+                return port
+
+
+CLUSTER_CREATE = ("--cluster-replicas", "1", "--cluster-yes")
+CLUSTER_NODE = (
+    *("--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--protected-mode", "no"),
+    *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+    *("--cluster-node-timeout", "2000"),
+)
+
+
+class RedisCluster:
+    """A real Redis Cluster on free ports: ``primaries`` redis-server processes with
+    ``--cluster-enabled yes`` and a replica each, joined by ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, primaries: int = 3) -> None:
+        self.directory = directory
+        self.ports = [free_bus_port() for _ in range(primaries * 2)]
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        """The store URL: every node a seed."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> RedisCluster:
+        try:
+            for port in self.ports:
+                self.start_node(port)
+            nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            subprocess.run(
+                ["redis-cli", "--cluster", "create", *nodes, *CLUSTER_CREATE],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=60,
+            )
+            wait_for(self.ready, seconds=30, what="redis cluster")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_node(self, port: int) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (scripts/install installs it)"
+        node_dir = self.directory / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            [binary, "--port", str(port), "--dir", str(node_dir), *CLUSTER_NODE],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: self.cli(port, "PING") == "PONG", what=f"redis node {port}")
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    def ready(self) -> bool:
+        """Every node sees the cluster ok, every slot served, every replica in sync."""
+        for port in self.ports:
+            if "cluster_state:ok" not in self.cli(port, "CLUSTER", "INFO"):
+                return False
+        roles = [self.cli(p, "ROLE").splitlines() for p in self.ports]
+        replicas = [r for r in roles if r and r[0] == "slave"]
+        return len(replicas) == len(self.ports) // 2 and all(r[3] == "connected" for r in replicas)
+
+    def primaries(self) -> list[int]:
+        return [p for p in self.ports if self.cli(p, "ROLE").splitlines()[:1] == ["master"]]
+
+    def flush(self) -> None:
+        for port in self.primaries():
+            self.cli(port, "FLUSHALL")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+            process.wait(10)
+        self.processes.clear()
+
+
+class RedisSentinels:
+    """A real primary, a replica of it and three ``redis-sentinel`` processes watching it
+    (quorum 2, a primary down after 1 s), on free ports."""
+
+    NAME = "tp"
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.primary = RedisServer()
+        self.replica = RedisServer()
+        self.ports = [free_port() for _ in range(3)]
+        self.sentinels: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"redis+sentinel://{hosts}/{self.NAME}"
+
+    def start(self) -> RedisSentinels:
+        try:
+            self.primary.start()
+            self.replica.start()
+            self.cli(self.replica.port, "REPLICAOF", "127.0.0.1", str(self.primary.port))
+            wait_for(lambda: self.synced(self.primary.port), what="replica in sync")
+            for port in self.ports:
+                self.sentinels.append(self._sentinel(port))
+            wait_for(self.watching, seconds=30, what="sentinels")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sentinel(self, port: int) -> subprocess.Popen[bytes]:
+        conf = self.directory / f"sentinel-{port}.conf"
+        conf.write_text(
+            f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {self.directory}\n"
+            f"sentinel monitor {self.NAME} 127.0.0.1 {self.primary.port} 2\n"
+            f"sentinel down-after-milliseconds {self.NAME} 1000\n"
+            f"sentinel failover-timeout {self.NAME} 5000\n"
+        )
+        binary = shutil.which("redis-sentinel")
+        command = [binary, str(conf)] if binary else ["redis-server", str(conf), "--sentinel"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: self.cli(port, "PING") == "PONG", what=f"sentinel {port}")
+        return process
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    def synced(self, primary: int) -> bool:
+        return replica_synced(primary)
+
+    def watching(self) -> bool:
+        """Every sentinel knows the replica and the two other sentinels."""
+        for port in self.ports:
+            fields = self.cli(port, "SENTINEL", "MASTER", self.NAME).splitlines()
+            master = dict(zip(fields[::2], fields[1::2], strict=False))
+            if master.get("num-slaves") != "1" or master.get("num-other-sentinels") != "2":
+                return False
+        return True
+
+    def primary_port(self) -> int:
+        """The port the sentinels name as the primary now."""
+        reply = self.cli(self.ports[0], "SENTINEL", "get-master-addr-by-name", self.NAME)
+        return int(reply.splitlines()[1])
+
+    def stop(self) -> None:
+        for process in self.sentinels:
+            process.kill()
+            process.wait(10)
+        self.sentinels.clear()
+        for server in (self.primary, self.replica):
+            if server.process is not None:
+                server.kill()

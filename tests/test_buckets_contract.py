@@ -12,7 +12,7 @@ import pytest
 
 from proxy.store import Buckets, Store, make_buckets
 from proxy.store.buckets import Rate, Slots
-from tests.conftest import Later, stored_entries
+from tests.conftest import CONTRACT_STORES, Later, each_store_url, stored_entries
 
 pytestmark = pytest.mark.anyio
 
@@ -20,6 +20,10 @@ GROUP = "route-a"
 # 10 per second (one unit per 100 ms), a burst of 3.
 RATE = Rate("rpm|k", interval=0.1, tolerance=0.3)
 SLOTS = Slots("in-flight|k", capacity=2)
+
+
+# Every backend, and a Redis Cluster.
+store_url = pytest.fixture(params=CONTRACT_STORES)(each_store_url)
 
 
 @pytest.fixture

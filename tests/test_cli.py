@@ -46,6 +46,8 @@ def test_config_holds_the_example_deployments() -> None:
         "redis-offload-s3",
         "auth-token-exchange",
         "postgres",
+        "redis-cluster",
+        "redis-sentinel",
     }
 
 

@@ -43,6 +43,7 @@ from proxy.jobs import (
 )
 from proxy.store import Job, JobState, RecordKey, State
 from proxy.store.memory import MemoryQueue, MemoryStore
+from proxy.store.queue import new_job_id
 from tests.conftest import SEALING_ENV, Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import CountingTool, ThreadServer, running, wait_for
@@ -740,15 +741,16 @@ async def _requeue_twice(config: Any, store: Any, queue: Any) -> None:
     key = RecordKey("scope|1", "k")
     scope = {"method": "POST", "path": "/t", "query_string": b"", "headers": [], "scheme": "http"}
     blob = encode_request(StoredRequest(scope, b"{}", "fp", ""))
-    await queue.submit(Job("A", config.name, "", key.slot, key.name, "k", blob, keep=600))
-    owner = JOB_OWNER + "A"
-    dead = await queue.move("A", frozenset({JobState.QUEUED}), JobState.DEAD)  # key released
+    id = new_job_id(config.name)
+    await queue.submit(Job(id, config.name, "", key.slot, key.name, "k", blob, keep=600))
+    owner = JOB_OWNER + id
+    dead = await queue.move(id, frozenset({JobState.QUEUED}), JobState.DEAD)  # key released
     assert dead is not None
     assert await requeue(dead, config, store, queue) is not None
     assert await queue.take(config.name, "w", 1.0) is not None
     assert await store.renew(key, owner, 10, 600)
     sent = frozenset({JobState.QUEUED})
-    assert await queue.move("A", sent, JobState.RUNNING, worker="w", sent=True) is not None
+    assert await queue.move(id, sent, JobState.RUNNING, worker="w", sent=True) is not None
     assert await requeue(dead, config, store, queue) is None  # the stale one
     record = await store.get(key)
     assert record is not None and record.state is State.IN_PROGRESS and record.owner == owner

@@ -14,13 +14,17 @@ import pytest
 
 from proxy.store import Locks, Store, make_locks
 from proxy.store.locks import Version
-from tests.conftest import Later, stored_entries
+from tests.conftest import CONTRACT_STORES, Later, each_store_url, stored_entries
 
 pytestmark = pytest.mark.anyio
 
 SCOPE = "route-a"
 KEY = "route-a|account-1"
 TTL = 0.3
+
+
+# Every backend, and a Redis Cluster.
+store_url = pytest.fixture(params=CONTRACT_STORES)(each_store_url)
 
 
 @pytest.fixture

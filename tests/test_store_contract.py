@@ -21,7 +21,7 @@ from proxy.store import RecordKey, State, Store, make_store
 from proxy.store.memory import MemoryStore
 from proxy.store.postgres import PostgresStore
 from proxy.store.sqlite import SQLiteStore
-from tests.conftest import Later
+from tests.conftest import CONTRACT_STORES, Later, each_store_url
 from tests.servers import RedisServer, free_port
 
 pytestmark = pytest.mark.anyio
@@ -29,6 +29,10 @@ pytestmark = pytest.mark.anyio
 KEY = RecordKey("route|anon|plan|1", "a" * 64)
 LOCK = 5.0
 RESULT = 60.0
+
+
+# Every backend, and a Redis Cluster.
+store_url = pytest.fixture(params=CONTRACT_STORES)(each_store_url)
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ def make_store(url: str) -> Store:
         from proxy.store.sqlite import SQLiteStore
 
         return SQLiteStore(url)
-    if scheme in ("redis", "rediss"):
+    if scheme.partition("+")[0] in ("redis", "rediss"):
         from proxy.store.redis import RedisStore
 
         return RedisStore(url)

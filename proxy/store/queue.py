@@ -29,6 +29,8 @@ Jobs and their events live ``keep`` seconds past their last change.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -57,11 +59,24 @@ class JobState(StrEnum):
         return self.terminal and self is not JobState.DEAD
 
 
+def job_shard(route: str) -> str:
+    """16 hex digits of a digest of ``route``'s name: the prefix of its jobs' ids, by which
+    a store may keep a job beside its route's queue (Redis: one hash tag per route, so a
+    Redis Cluster spreads the routes over its nodes)."""
+    return hashlib.blake2b(route.encode(), digest_size=8).hexdigest()
+
+
+def new_job_id(route: str) -> str:
+    """A fresh id for a job of ``route``: its shard, ``~``, 24 random URL-safe characters
+    (no dot: a record's owner ``job.<id>.<token>`` is split at dots)."""
+    return f"{job_shard(route)}~{secrets.token_urlsafe(18)}"
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A job as stored. ``submit`` takes one with ``id``, ``route``, ``principal``, the
-    record's ``slot`` and ``name``, ``label``, ``request`` and ``keep``; the store sets the
-    rest."""
+    """A job as stored. ``submit`` takes one with ``id`` (``new_job_id(route)``),
+    ``route``, ``principal``, the record's ``slot`` and ``name``, ``label``, ``request`` and
+    ``keep``; the store sets the rest."""
 
     id: str
     route: str

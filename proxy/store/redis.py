@@ -29,19 +29,22 @@ Keys::
                               versions, never expiring
     tp:{res:<scope>}:l:<key>  hash: a resource lock's owner and token, for its lease
     tp:{res:<scope>}:v:<key>  hash: a resource's version, its write mark, for versioning.ttl
-    tp:{ops}:...              the job queue (``RedisQueue``: its keys are listed there)
+    tp:{ops:<shard>}:...      the job queue, one tag per route (``RedisQueue``: its keys
+                              are listed there)
+
+Every key a script touches is one of its KEYS (redis_scripts/), never built inside it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import hiredis
 from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.client import PubSub
 from redis.asyncio.connection import AbstractConnection
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -53,7 +56,9 @@ from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
 from proxy.store.buckets import Admission, Rate, RateState, Slots
 from proxy.store.locks import Grant, Version, counter_start
-from proxy.store.queue import Job, JobState
+from proxy.store.queue import Job, JobState, job_shard
+from proxy.store.redis_nodes import ClusterCoalescer, SentinelCoalescer, seeds
+from proxy.store.redis_scripts import SCRIPTS, Script
 
 KEY_PREFIX = "tp:"
 # Connection defaults; query parameters of the URL (e.g. ?socket_timeout=5) win.
@@ -80,163 +85,11 @@ LIST_PAGE = 100
 # not the store out of reach. READONLY (a failover under way) is not among them.
 REFUSALS = ("OOM", "NOREPLICAS", "MISCONF", "ERR string exceeds maximum allowed size")
 
-# Every script that writes a record starts with ``redis.replicate_commands()`` (a no-op on
-# Redis 7, required on 5 and 6 before writing after ``TIME``). Times are milliseconds.
-_NOW = """
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
-"""
-
-# KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
-# result_ms, reexecute_lapsed (0/1), index member. The index drops the members whose
-# record expired (their score passed) as a new one comes in; its own life is extended
-# twice as far as needed, so most claims skip that write.
-_CLAIM = (
-    _NOW
-    + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut')
-if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
-  if r[1] ~= 'in_progress' then
-    return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7]}
-  end
-  local left = tonumber(r[5] or 0) - now
-  if left > 0 then return {0, r[1], r[2], r[3], '', left, r[6], r[7]} end
-  if ARGV[6] == '0' then
-    redis.call('HSET', KEYS[1], 'st', 'failed', 'pl', '', 'ut', now)
-    return {0, 'failed', r[2], r[3], '', redis.call('PTTL', KEYS[1]), r[6], now}
-  end
-end
-if r[1] then redis.call('HDEL', KEYS[1], 'pl') end -- a fresh record has none
-redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
-  'lu', now + ARGV[4], 'ct', now, 'ut', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then
-  redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2)
-end
-local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
-return {1, prev or ''}
-"""
+# The scripts (redis_scripts/<name>-<keys>.lua): the records'.
+_CLAIM, _GET, _RECORDS, _RENEW = (SCRIPTS[n] for n in ("claim", "get", "records", "renew"))
+_COMPLETE, _RELEASE, _SETTLE, _UNLOCK = (
+    SCRIPTS[n] for n in ("complete", "release", "settle", "unlock")
 )
-
-_FIELDS = "'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut'"
-# A record as {1, state, fingerprint, owner, payload, ms left, created, updated} or {0}.
-_READ = f"""
-local function read(key, now)
-  local r = redis.call('HMGET', key, {_FIELDS})
-  if not r[1] then return {{0}} end
-  local left = redis.call('PTTL', key)
-  if r[1] == 'in_progress' then left = tonumber(r[5] or 0) - now end
-  return {{1, r[1], r[2], r[3], r[4] or '', left, r[6], r[7]}}
-end
-"""
-
-_GET = (
-    _NOW
-    + _READ
-    + """
-return read(KEYS[1], now)
-"""
-)
-
-# One page of a scope's listing. KEYS: the scope index, then the page's records. ARGV:
-# 1 to drop from the index the members whose record is gone (0: a legacy set index),
-# then the page's members. Returns the records found, each with its member appended.
-_RECORDS = (
-    _NOW
-    + _READ
-    + """
-local out = {}
-for i = 2, #KEYS do
-  local found = read(KEYS[i], now)
-  if found[1] == 1 then
-    table.insert(found, ARGV[i])
-    table.insert(out, found)
-  elseif ARGV[1] == '1' then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-  end
-end
-return out
-"""
-)
-
-# KEYS: record, scope index. ARGV: owner, lock_ms, result_ms, index member.
-_RENEW = (
-    _NOW
-    + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
-if r[1] ~= 'in_progress' or r[2] ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'lu', now + ARGV[2], 'ut', now)
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  redis.call('ZADD', KEYS[2], 'GT', now + ARGV[3], ARGV[4])
-  if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
-  end
-end
-return 1
-"""
-)
-
-# KEYS: record, scope index. ARGV: owner, state, payload, result_ms, fingerprint, member,
-# replace_outcome (0/1), the owner from now on.
-_COMPLETE = (
-    _NOW
-    + """
-local r = redis.call('HMGET', KEYS[1], 'ow', 'ct', 'st')
-if r[1] and r[1] ~= ARGV[1] then return 0 end
-if ARGV[7] == '0' and r[3] and r[3] ~= 'in_progress' and
-  (r[3] ~= 'failed' or redis.call('HSTRLEN', KEYS[1], 'pl') > 0) then return 0 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'pl', ARGV[3], 'fp', ARGV[5], 'ow', ARGV[8],
-  'ct', r[2] or now, 'ut', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('ZADD', KEYS[2], now + ARGV[4], ARGV[6])
-if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
-return 1
-"""
-)
-
-# KEYS: record, scope index. ARGV: owner, index member.
-_RELEASE = """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ow', 'pl')
-if r[2] ~= ARGV[1] then return 0 end
-if r[1] == 'in_progress' or (r[1] == 'failed' and r[3] == '') then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# KEYS: record, scope index. ARGV: new state ('' to delete), payload, result_ms, owner
-# ('' for any), index member.
-_SETTLE = (
-    _NOW
-    + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ow')
-if r[1] ~= 'failed' or (ARGV[4] ~= '' and r[2] ~= ARGV[4]) then return 0 end
-if ARGV[1] == '' then
-  redis.call('ZREM', KEYS[2], ARGV[5])
-  return redis.call('DEL', KEYS[1])
-end
-redis.call('HSET', KEYS[1], 'st', ARGV[1], 'pl', ARGV[2], 'ut', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('ZADD', KEYS[2], now + ARGV[3], ARGV[5])
-if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
-return 1
-"""
-)
-
-_UNLOCK = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-_SHA = {
-    s: hashlib.sha1(s.encode()).hexdigest()
-    for s in (_CLAIM, _GET, _RECORDS, _RENEW, _COMPLETE, _RELEASE, _SETTLE, _UNLOCK)
-}
 
 
 def _ms(seconds: float) -> int:
@@ -313,9 +166,10 @@ class Coalescer:
         self._pending: list[tuple[Command, bool, asyncio.Future[Any]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def call(self, *command: Any, resend: bool = False) -> Any:
+    async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
         """Send ``command`` (now, or with the next batch) and return its reply;
-        ``resend``: safe to send again if its reply is lost (see the class)."""
+        ``resend``: safe to send again if its reply is lost (see the class). ``key``
+        routes a command in a cluster (``ClusterCoalescer``); one node holds them all."""
         if self._busy:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._pending.append((command, resend, future))
@@ -323,6 +177,24 @@ class Coalescer:
         self._busy = True
         try:
             (reply,) = await self._round_trip([command], [resend])
+        finally:
+            self._next()
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def call_asking(self, *command: Any, resend: bool = False) -> Any:
+        """``ASKING`` then ``command``, next to each other in one round trip (a Cluster's
+        migration under way: ``ClusterCoalescer``)."""
+        loop = asyncio.get_running_loop()
+        if self._busy:
+            asking, future = loop.create_future(), loop.create_future()
+            asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._pending += [(("ASKING",), True, asking), (command, resend, future)]
+            return await future
+        self._busy = True
+        try:
+            _, reply = await self._round_trip([("ASKING",), command], [True, resend])
         finally:
             self._next()
         if isinstance(reply, Exception):
@@ -418,6 +290,17 @@ async def _reply(connection: AbstractConnection) -> Any:
         return exc
 
 
+def _pool(url: str) -> ConnectionPool:
+    """The connections of one Redis node (``redis://`` or ``rediss://``)."""
+    return ConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        socket_connect_timeout=SOCKET_CONNECT_TIMEOUT,
+        socket_timeout=SOCKET_TIMEOUT,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), RETRIES),
+    )
+
+
 class RedisStore:
     """Lua scripts over one pooled ``redis.asyncio`` client (hiredis parser when installed)."""
 
@@ -425,31 +308,35 @@ class RedisStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        pool = ConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            socket_connect_timeout=SOCKET_CONNECT_TIMEOUT,
-            socket_timeout=SOCKET_TIMEOUT,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), RETRIES),
-        )
-        self._redis = Redis.from_pool(pool)
-        self._coalescer = Coalescer(pool)
+        scheme = url.partition("://")[0]
+        self._redis: Redis | None = None
+        self._coalescer: Coalescer | ClusterCoalescer | SentinelCoalescer
+        if scheme.endswith("+cluster"):
+            self._coalescer = ClusterCoalescer(url, _pool)
+        elif scheme.endswith("+sentinel"):
+            self._coalescer = SentinelCoalescer(url, _pool)
+        else:
+            pool = _pool(url)
+            self._redis = Redis.from_pool(pool)
+            self._coalescer = Coalescer(pool)
         self._queue: RedisQueue | None = None
 
     async def _script(
-        self, source: str, keys: list[str], *args: Any, resend: bool | None = None
+        self, script: Script, keys: list[str], *args: Any, resend: bool | None = None
     ) -> Any:
         """Run a script; ``resend`` (by default: whether it is in ``RESENDABLE``) lets the
         coalescer send it again when its reply is lost."""
-        sha = _SHA[source]
-        again = source in RESENDABLE if resend is None else resend
-        command = ("EVALSHA", sha, len(keys), *keys, *args)
+        if script.keys is not None and len(keys) != script.keys:
+            raise TypeError(f"redis script {script.name} takes {script.keys} keys, not {len(keys)}")
+        again = script.name in RESENDABLE if resend is None else resend
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        key = keys[0] if keys else None
         try:
             try:
-                return await self._coalescer.call(*command, resend=again)
+                return await self._coalescer.call(*command, resend=again, key=key)
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
-                await self._coalescer.call("SCRIPT", "LOAD", source, resend=True)
-                return await self._coalescer.call(*command, resend=again)
+                await self._coalescer.call("SCRIPT", "LOAD", script.source, resend=True, key=key)
+                return await self._coalescer.call(*command, resend=again, key=key)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except RedisError as exc:
@@ -537,16 +424,31 @@ class RedisStore:
         return position, [m.decode() for m in members]
 
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
-        """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call."""
-        position, names = await self._command(
-            "SCAN",
-            cursor or "0",
-            "MATCH",
-            f"{KEY_PREFIX}{{*}}:r:*",
-            "COUNT",
-            max(count, 1),
-            resend=True,
-        )
+        """One SCAN step over the record keys (``MATCH tp:*:r:*``): bounded work per call.
+        On a cluster, primary after primary (the cursor ``<primary>:<its cursor>``)."""
+        scan = ("SCAN", cursor or "0", "MATCH", f"{KEY_PREFIX}{{*}}:r:*", "COUNT", max(count, 1))
+        if isinstance(self._coalescer, ClusterCoalescer):
+            return await self._scan_cluster(self._coalescer, cursor, scan)
+        position, names = await self._command(*scan, resend=True)
+        return await self._scanned(position, names)
+
+    async def _scan_cluster(
+        self, cluster: ClusterCoalescer, cursor: str, scan: tuple[Any, ...]
+    ) -> tuple[str, list[Record]]:
+        primaries = await cluster.primaries()
+        index, _, position = (cursor or "0:0").partition(":")
+        address = primaries[min(int(index), len(primaries) - 1)]
+        try:
+            at, names = await cluster.call_at(address, scan[0], position, *scan[2:], resend=True)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
+        next_, found = await self._scanned(at, names)
+        if next_:
+            return f"{index}:{next_}", found
+        more = int(index) + 1 < len(primaries)
+        return (f"{int(index) + 1}:0" if more else ""), found
+
+    async def _scanned(self, position: Any, names: list[bytes]) -> tuple[str, list[Record]]:
         found = []
         for raw in names:
             key = _parse_record_key(raw.decode())
@@ -573,8 +475,9 @@ class RedisStore:
 
     async def _command(self, *command: Any, resend: bool = False) -> Any:
         """One plain command; ``resend`` as for ``Coalescer.call`` (reads, plain SETs)."""
+        key = command[1] if len(command) > 1 else None
         try:
-            return await self._coalescer.call(*command, resend=resend)
+            return await self._coalescer.call(*command, resend=resend, key=key)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except (RedisError, OSError) as exc:
@@ -606,15 +509,30 @@ class RedisStore:
         await self.queue().sweep()
         return 0
 
+    async def _subscriber(self) -> PubSub:
+        """A pub/sub client over a connection of its own (``RedisQueue.changes``): on a
+        cluster's node or the sentinels' primary, whose PUBLISH reach it."""
+        if self._redis is not None:
+            return self._redis.pubsub()
+        assert not isinstance(self._coalescer, Coalescer)
+        host, port = await self._coalescer.subscriber_address()
+        _, node_url = seeds(self.url)
+        return Redis.from_pool(_pool(node_url.format(f"{host}:{port}"))).pubsub()
+
     async def ping(self) -> None:
         try:
+            if self._redis is None:
+                assert not isinstance(self._coalescer, Coalescer)
+                await self._coalescer.ping()
+                return
             await self._redis.ping()
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         await self._coalescer.close()
-        await self._redis.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()
 
     def buckets(self) -> RedisBuckets:
         """The rate buckets in the same Redis, over the same coalesced connection."""
@@ -673,121 +591,9 @@ def _parse_record_key(redis_key: str) -> RecordKey | None:
     return RecordKey(f"{scope}|{step}", name)
 
 
-_NOW_MS = """
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = t[1] * 1000 + t[2] / 1000
-"""
-
-# KEYS: pause, rate buckets..., slot sets... ARGV: nrates, nslots, owner, slot ttl (ms),
-# then (interval ms, tolerance ms, cost) per rate, then the capacity per slot set.
-# Returns {allowed, paused ms, retry ms, (remaining, reset ms, limited) per rate, then the
-# free slots per slot set}.
-_TAKE = (
-    _NOW_MS
-    + """
-local paused = tonumber(redis.call('GET', KEYS[1]) or 0)
-if paused > now then return {0, math.ceil(paused - now), 0} end
-local nr, ns, owner, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local out, tats, wait, full = {1, 0, 0}, {}, 0, false
-for i = 1, nr do
-  local a = 4 + (i - 1) * 3
-  local interval, tolerance = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local cost = tonumber(ARGV[a + 3])
-  local base = math.max(tonumber(redis.call('GET', KEYS[1 + i]) or now), now)
-  local new = base + interval * cost
-  local over = new - tolerance - now
-  if over > 0.001 then
-    wait = math.max(wait, over)
-    table.insert(out, 0)
-    table.insert(out, math.ceil(base - now))
-    table.insert(out, 1)
-  else
-    tats[i] = new
-    table.insert(out, math.max(math.floor((tolerance - (new - now)) / interval + 1e-6), 0))
-    table.insert(out, math.ceil(new - now))
-    table.insert(out, 0)
-  end
-end
-for j = 1, ns do
-  local key = KEYS[1 + nr + j]
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  local held = redis.call('ZCARD', key)
-  local mine = redis.call('ZSCORE', key, owner)
-  local left = tonumber(ARGV[4 + nr * 3 + j]) - held
-  if not mine then left = left - 1 end
-  if left < 0 then full = true end
-  table.insert(out, left)
-end
-if wait > 0 or full then
-  out[1] = 0
-  out[3] = math.ceil(wait)
-  return out
-end
-for i = 1, nr do
-  redis.call('SET', KEYS[1 + i], string.format('%.3f', tats[i]), 'PX', math.ceil(tats[i] - now) + 1)
-end
-for j = 1, ns do
-  local key = KEYS[1 + nr + j]
-  redis.call('ZADD', key, now + ttl, owner)
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, math.ceil(ttl)) end
-end
-return out
-"""
-)
-
-# KEYS: rate buckets..., slot sets... ARGV: nrates, owner, then (interval ms, units) per rate.
-_FINISH = (
-    _NOW_MS
-    + """
-local nr, owner = tonumber(ARGV[1]), ARGV[2]
-for i = 1, nr do
-  local interval, units = tonumber(ARGV[1 + i * 2]), tonumber(ARGV[2 + i * 2])
-  local tat = math.max(tonumber(redis.call('GET', KEYS[i]) or now), now) + interval * units
-  if tat <= now then
-    redis.call('DEL', KEYS[i])
-  else
-    redis.call('SET', KEYS[i], string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1)
-  end
-end
-for j = nr + 1, #KEYS do redis.call('ZREM', KEYS[j], owner) end
-return 1
-"""
-)
-
-# KEYS: slot sets. ARGV: owner, ttl (ms). 1 if every slot was still held.
-_RENEW_SLOTS = (
-    _NOW_MS
-    + """
-local kept = 1
-for _, key in ipairs(KEYS) do
-  local lease = tonumber(redis.call('ZSCORE', key, ARGV[1]) or 0)
-  if lease > now then
-    redis.call('ZADD', key, 'XX', now + ARGV[2], ARGV[1])
-    local ttl = math.ceil(tonumber(ARGV[2]))
-    if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-  else
-    kept = 0
-  end
-end
-return kept
-"""
-)
-
-# KEYS: pause. ARGV: seconds (ms).
-_PAUSE = (
-    _NOW_MS
-    + """
-local stop = now + tonumber(ARGV[1])
-if tonumber(redis.call('GET', KEYS[1]) or 0) < stop then
-  redis.call('SET', KEYS[1], string.format('%.3f', stop), 'PX', math.ceil(tonumber(ARGV[1])) + 1)
-end
-return 1
-"""
-)
-
-_SHA.update(
-    {s: hashlib.sha1(s.encode()).hexdigest() for s in (_TAKE, _FINISH, _RENEW_SLOTS, _PAUSE)}
+# The rate buckets' scripts.
+_TAKE, _FINISH, _RENEW_SLOTS, _PAUSE = (
+    SCRIPTS[n] for n in ("take_units", "finish_units", "renew_slots", "pause")
 )
 
 
@@ -858,119 +664,12 @@ class RedisBuckets:
         await self._store._script(_PAUSE, [limit_key(group, "pause", scope)], _fms(seconds))
 
 
-# A scope's counter of fencing tokens and versions (KEYS[2]), started where the last
-# argument says (``locks.counter_start``: the clock in microseconds) when it is absent
-# (new, or lost with its Redis): a token or version never repeats one given before.
-_DRAW_LIB = """
-local function draw()
-  if redis.call('EXISTS', KEYS[2]) == 0 then
-    redis.call('SET', KEYS[2], ARGV[#ARGV])
-  end
-  return redis.call('INCR', KEYS[2])
-end
-"""
-
-# KEYS: lock, the scope's counter. ARGV: owner, ttl (ms), counter start. Returns {token, 0}
-# when taken (or already held by the owner: its token), {0, pttl} when another holds it.
-_ACQUIRE_LOCK = (
-    _DRAW_LIB
-    + """
-local r = redis.call('HMGET', KEYS[1], 'ow', 'tk')
-if r[1] and r[1] ~= ARGV[1] then
-  return {0, redis.call('PTTL', KEYS[1])}
-end
-local token = r[2]
-if not r[1] then
-  token = draw()
-  redis.call('HSET', KEYS[1], 'ow', ARGV[1], 'tk', token)
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {tonumber(token), 0}
-"""
+# The resource locks' and versions' scripts.
+_ACQUIRE_LOCK, _RENEW_LOCK, _RELEASE_LOCK = (
+    SCRIPTS[n] for n in ("acquire_lock", "renew_lock", "release_lock")
 )
-
-# KEYS: lock. ARGV: owner, ttl (ms). 1 if the owner held it (now extended).
-_RENEW_LOCK = """
-if redis.call('HGET', KEYS[1], 'ow') == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-# KEYS: lock. ARGV: owner. 1 if the owner held it (now deleted).
-_RELEASE_LOCK = """
-if redis.call('HGET', KEYS[1], 'ow') == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# A version is a hash: n (number), w (1: set by a write), p (the owner of a write sent
-# and not settled, or ''). ``entry`` reads it, or makes a fresh unwritten one.
-_VERSION_LIB = (
-    _DRAW_LIB
-    + """
-local function entry()
-  local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
-  if r[1] then return r end
-  return {draw(), '0', ''}
-end
-local function keep(n, w, p, ttl)
-  redis.call('HSET', KEYS[1], 'n', n, 'w', w, 'p', p)
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  return {tonumber(n), tonumber(w)}
-end
-"""
-)
-
-# KEYS: version, the scope's counter. ARGV: ttl (ms), counter start. {number, written}.
-_READ_VERSION = (
-    _VERSION_LIB
-    + """
-local r = entry()
-return keep(r[1], r[2], r[3], ARGV[1])
-"""
-)
-
-# KEYS: version, the scope's counter. ARGV: owner, ttl (ms), counter start. {number, written}:
-# another owner's mark left unsettled gives a fresh written number (it may have written).
-_BEGIN_WRITE = (
-    _VERSION_LIB
-    + """
-local r = entry()
-if r[3] ~= '' and r[3] ~= ARGV[1] then
-  r = {draw(), '1'}
-end
-return keep(r[1], r[2], ARGV[1], ARGV[2])
-"""
-)
-
-# KEYS: version, the scope's counter. ARGV: owner, wrote (0/1), ttl (ms), counter start.
-# The number after it, or nil if the owner's mark is not there (settled already).
-_SETTLE_WRITE = (
-    _VERSION_LIB
-    + """
-local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
-if r[3] ~= ARGV[1] then return nil end
-if ARGV[2] == '1' then
-  r = {draw(), '1'}
-end
-return keep(r[1], r[2], '', ARGV[3])[1]
-"""
-)
-
-_SHA.update(
-    {
-        s: hashlib.sha1(s.encode()).hexdigest()
-        for s in (
-            _ACQUIRE_LOCK,
-            _RENEW_LOCK,
-            _RELEASE_LOCK,
-            _READ_VERSION,
-            _BEGIN_WRITE,
-            _SETTLE_WRITE,
-        )
-    }
+_READ_VERSION, _BEGIN_WRITE, _SETTLE_WRITE = (
+    SCRIPTS[n] for n in ("read_version", "begin_write", "settle_write")
 )
 
 
@@ -1033,302 +732,114 @@ def _version(key: str, reply: Any) -> Version:
         raise StoreError(f"redis store: malformed version reply for {key}") from exc
 
 
-# The job queue: every key under one hash tag, so each operation is one script, legal in
-# a Redis Cluster (the scripts derive a job's route keys from the tag: same slot).
-QUEUE_TAG = f"{KEY_PREFIX}{{ops}}:"
+# The job queue: a job's keys and its route's queue share one hash tag per route
+# (``tp:{ops:<shard>}:``, the shard from ``job_shard``: each job id starts with it), so
+# every script touches one slot and a Redis Cluster spreads the routes over its nodes.
+# Two keys are shared by every route: the set of routes and the channel of changes.
+ROUTES_KEY = f"{KEY_PREFIX}{{ops}}:routes"
+CHANNEL = f"{KEY_PREFIX}{{ops}}:changes"
 GROUP = "workers"
 # Consumers (workers) with no pending entry that did not read for this long are deleted
 # by the sweep.
 IDLE_CONSUMER_MS = 3600 * 1000
+# Steps of one take at most (each a round trip: the next entry, then its job).
+TAKE_STEPS = 100
 _JOB_FIELDS = (
     *("id", "rt", "pr", "sl", "nm", "lb", "rq", "kp"),
     *("st", "at", "sn", "er", "ct", "ut", "du", "sq"),
 )
-_EVENT_FIELDS = ("st", "at", "sn", "er", "ut", "du")
 
-# Times are milliseconds (Redis TIME). ``changed`` keeps the job's snapshot as the event
-# ``0-<seq>`` of its event stream, restarts both keys' expiry and tells subscribers.
-_QUEUE_LIB = (
-    _NOW
-    + f"""
-local Q, GROUP = '{QUEUE_TAG}', '{GROUP}'
-local FIELDS = {{{", ".join(f"'{f}'" for f in _JOB_FIELDS)}}}
-local function enqueue(route, id)
-  local stream = Q .. 'q:' .. route
-  if redis.call('EXISTS', stream) == 0 then
-    redis.call('XGROUP', 'CREATE', stream, GROUP, '0', 'MKSTREAM')
-  end
-  return redis.call('XADD', stream, '*', 'id', id)
-end
-local function unqueue(route, id, entry)
-  if entry ~= '' then
-    redis.call('XACK', Q .. 'q:' .. route, GROUP, entry)
-    redis.call('XDEL', Q .. 'q:' .. route, entry)
-  end
-  redis.call('ZREM', Q .. 'due:' .. route, id)
-end
-local function changed(id)
-  local job, events = Q .. 'job:' .. id, Q .. 'ev:' .. id
-  local r = redis.call('HMGET', job, 'sq', 'kp', {", ".join(f"'{f}'" for f in _EVENT_FIELDS)})
-  redis.call('XADD', events, '0-' .. r[1], 'st', r[3], 'at', r[4], 'sn', r[5], 'er', r[6],
-    'ut', r[7], 'du', r[8])
-  redis.call('PEXPIRE', job, r[2])
-  redis.call('PEXPIRE', events, r[2])
-  redis.call('ZADD', Q .. 'exp', now + r[2], id)
-  redis.call('PUBLISH', Q .. 'changes', id)
-  return redis.call('HMGET', job, unpack(FIELDS))
-end
-"""
+_SUBMIT, _NEXT_JOB, _REQUEUE_JOB, _HAND_JOB = (
+    SCRIPTS[n] for n in ("submit_job", "next_job", "requeue_job", "hand_job")
 )
-
-# KEYS: job. ARGV: id, route, principal, slot, name, label, request, keep (ms), token.
-# Drops a few expired jobs from the indexes on the way: each job is submitted once, so
-# the indexes hold about the live jobs.
-_SUBMIT = (
-    _QUEUE_LIB
-    + """
-local tk = redis.call('HGET', KEYS[1], 'tk')
-if tk then return tk == ARGV[9] and redis.call('HMGET', KEYS[1], unpack(FIELDS)) end
-local gone = redis.call('ZRANGE', Q .. 'exp', '-inf', now, 'BYSCORE', 'LIMIT', 0, 16)
-if #gone > 0 then
-  redis.call('ZREM', Q .. 'ids', unpack(gone))
-  redis.call('ZREM', Q .. 'exp', unpack(gone))
-end
-redis.call('DEL', Q .. 'ev:' .. ARGV[1])
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'rt', ARGV[2], 'pr', ARGV[3], 'sl', ARGV[4],
-  'nm', ARGV[5], 'lb', ARGV[6], 'rq', ARGV[7], 'kp', ARGV[8], 'st', 'queued', 'at', 0,
-  'sn', 0, 'er', '', 'ct', now, 'ut', now, 'du', now, 'sq', 1, 'ho', '', 'hu', 0,
-  'en', enqueue(ARGV[2], ARGV[1]), 'tk', ARGV[9])
-redis.call('ZADD', Q .. 'ids', 0, ARGV[1])
-redis.call('SADD', Q .. 'routes', ARGV[2])
-return changed(ARGV[1])
-"""
-)
-
-# KEYS: the route's stream. ARGV: route, worker, visibility (ms), token. Due retries go
-# into the stream first; then a new entry (XREADGROUP), else one whose hold lapsed
-# (XAUTOCLAIM). Entries whose job ended, expired or was queued again under another entry
-# are dropped.
-_TAKE_JOB = (
-    _QUEUE_LIB
-    + """
-local route, worker, vis, stream = ARGV[1], ARGV[2], tonumber(ARGV[3]), KEYS[1]
-local took = redis.call('GET', Q .. 'took:' .. ARGV[4])
-if took and redis.call('HGET', Q .. 'job:' .. took, 'ho') == worker then
-  return redis.call('HMGET', Q .. 'job:' .. took, unpack(FIELDS))
-end
-local due = Q .. 'due:' .. route
-for _, id in ipairs(redis.call('ZRANGE', due, '-inf', now, 'BYSCORE', 'LIMIT', 0, 100)) do
-  redis.call('ZREM', due, id)
-  if redis.call('HGET', Q .. 'job:' .. id, 'st') == 'queued' then
-    redis.call('HSET', Q .. 'job:' .. id, 'en', enqueue(route, id))
-  end
-end
-if redis.call('EXISTS', stream) == 0 then return false end
-local function hand(entry, new)
-  local job = Q .. 'job:' .. entry[2][2]
-  local r = redis.call('HMGET', job, 'st', 'en', 'hu')
-  if r[2] ~= entry[1] or not (r[1] == 'queued' or (r[1] == 'running' and not new)) then
-    redis.call('XACK', stream, GROUP, entry[1])
-    redis.call('XDEL', stream, entry[1])
-    return nil
-  end
-  if tonumber(r[3]) > now then return nil end -- held for longer than this visibility
-  redis.call('HSET', job, 'ho', worker, 'hu', now + vis)
-  redis.call('SET', Q .. 'took:' .. ARGV[4], entry[2][2], 'PX', vis)
-  return redis.call('HMGET', job, unpack(FIELDS))
-end
-for _ = 1, 100 do
-  local got = redis.call('XREADGROUP', 'GROUP', GROUP, worker, 'COUNT', 1, 'STREAMS', stream, '>')
-  if not got then break end
-  local job = hand(got[1][2][1], true)
-  if job then return job end
-end
-local cursor = '0-0'
-for _ = 1, 100 do
-  local got = redis.call('XAUTOCLAIM', stream, GROUP, worker, vis, cursor, 'COUNT', 1)
-  for _, entry in ipairs(got[2]) do
-    local job = hand(entry, false)
-    if job then return job end
-  end
-  cursor = got[1]
-  if cursor == '0-0' then break end
-end
-return false
-"""
-)
-
-# KEYS: job. ARGV: worker, visibility (ms). 1 if the worker held it (renewed: the hold's
-# end in the job, the entry's idle time in the group).
-_HOLD_JOB = (
-    _QUEUE_LIB
-    + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt')
-if not (r[1] == 'queued' or r[1] == 'running') or r[2] ~= ARGV[1] then return 0 end
-if tonumber(r[3]) <= now then return 0 end
-redis.call('HSET', KEYS[1], 'hu', now + ARGV[2])
-if r[4] ~= '' then
-  redis.call('XCLAIM', Q .. 'q:' .. r[5], GROUP, ARGV[1], 0, r[4], 'JUSTID')
-end
-return 1
-"""
-)
-
-# KEYS: job. ARGV: expected states (",queued,running,"), state, worker ('' for any),
-# due (ms from now), token, then the fields to set (name, value, ...). The job, or nil.
-_MOVE_JOB = (
-    _QUEUE_LIB
-    + """
-local r = redis.call('HMGET', KEYS[1], 'st', 'ho', 'hu', 'en', 'rt', 'id', 'sq', 'tk')
-if r[8] == ARGV[5] then return redis.call('HMGET', KEYS[1], unpack(FIELDS)) end
-if not r[1] or not string.find(ARGV[1], ',' .. r[1] .. ',', 1, true) then return false end
-if ARGV[3] ~= '' and (r[2] ~= ARGV[3] or tonumber(r[3]) <= now) then return false end
-local state, set = ARGV[2], {'st', ARGV[2], 'ut', now, 'sq', r[7] + 1, 'tk', ARGV[5]}
-for i = 6, #ARGV do table.insert(set, ARGV[i]) end
-if state == 'completed' or state == 'failed' or state == 'cancelled' then
-  table.insert(set, 'rq') -- spent: the request (credentials and all) is dropped
-  table.insert(set, '')
-end
-if state ~= 'running' then
-  unqueue(r[5], r[6], r[4])
-  local entry, due = '', now + tonumber(ARGV[4])
-  if state == 'queued' then
-    if due > now then
-      redis.call('ZADD', Q .. 'due:' .. r[5], due, r[6])
-    else
-      entry = enqueue(r[5], r[6])
-    end
-    table.insert(set, 'du')
-    table.insert(set, due)
-  end
-  for _, v in ipairs({'ho', '', 'hu', 0, 'en', entry}) do table.insert(set, v) end
-end
-redis.call('HSET', KEYS[1], unpack(set))
-return changed(r[6])
-"""
-)
-
-# KEYS: job, its events. ARGV: after (seq). {the job's fixed fields, events} or nil.
-_JOB_EVENTS = """
-local job = redis.call('HMGET', KEYS[1], 'id', 'rt', 'pr', 'sl', 'nm', 'lb', 'kp', 'ct')
-if not job[1] then return false end
-return {job, redis.call('XRANGE', KEYS[2], '(0-' .. ARGV[1], '+')}
-"""
-
-# KEYS: the id index. ARGV: cursor ('' to start), count, state ('' for any). {next
-# cursor, jobs...} (``request`` empty); ids of expired jobs are skipped.
-_LIST_JOBS = f"""
-local Q = '{QUEUE_TAG}'
-local FIELDS = {{{", ".join(f"'{f}'" for f in _JOB_FIELDS)}}}
-local start = ARGV[1] == '' and '-' or '(' .. ARGV[1]
-local ids = redis.call('ZRANGE', KEYS[1], start, '+', 'BYLEX', 'LIMIT', 0, ARGV[2])
-local out = {{#ids == tonumber(ARGV[2]) and ids[#ids] or ''}}
-for _, id in ipairs(ids) do
-  local job = redis.call('HMGET', Q .. 'job:' .. id, unpack(FIELDS))
-  if job[1] and (ARGV[3] == '' or job[9] == ARGV[3]) then
-    job[7] = ''
-    table.insert(out, job)
-  end
-end
-return out
-"""
-
-# KEYS: the route index. ARGV: the idle time (ms) past which a consumer with no pending
-# entry is deleted (a worker that reads again is a consumer again). Returns how many.
-_SWEEP_JOBS = (
-    _QUEUE_LIB
-    + """
-local deleted = 0
-for _, route in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local stream = Q .. 'q:' .. route
-  if redis.call('EXISTS', stream) == 1 then
-    for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, GROUP)) do
-      local info = {}
-      for i = 1, #c, 2 do info[c[i]] = c[i + 1] end
-      if info['pending'] == 0 and info['idle'] > tonumber(ARGV[1]) then
-        redis.call('XGROUP', 'DELCONSUMER', stream, GROUP, info['name'])
-        deleted = deleted + 1
-      end
-    end
-  end
-end
-return deleted
-"""
-)
-
-_SHA.update(
-    {
-        s: hashlib.sha1(s.encode()).hexdigest()
-        for s in (_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS)
-    }
+_HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _SWEEP_JOBS = (
+    SCRIPTS[n] for n in ("hold_job", "move_job", "job_events", "sweep_jobs")
 )
 
 
 # The scripts the coalescer may send again when their reply is lost (``Coalescer``): reads,
 # and writes that, run twice, do and answer as once: the same owner's claim and
-# renewals, the queue's writes (each carries a token), a pause (the later end wins). Not
-# a record's release: its answer is read (a job's refusal: whether the key was still its
-# own), and a resend would answer "not yours". Not the rate take and true-up (units taken twice),
-# a settle or a lock's release (their answer would say "changed meanwhile"), nor a
-# complete that must not replace an outcome (it would find its own); those fail with
-# ``StoreUnavailable``, as when Redis is out of reach.
+# renewals (not a record's release: its answer is read), the queue's writes (each carries a
+# token, or finds its work done), a pause (the later end wins). Not the rate take and
+# true-up (units taken twice), a settle or a lock's release (their answer would say
+# "changed meanwhile"), nor a complete that must not replace an outcome (it would find
+# its own); those fail with ``StoreUnavailable``, as when Redis is out of reach.
 RESENDABLE = frozenset(
-    {
+    script.name
+    for script in (
         *(_CLAIM, _GET, _RECORDS, _RENEW, _UNLOCK),
         *(_RENEW_SLOTS, _PAUSE, _ACQUIRE_LOCK, _RENEW_LOCK, _READ_VERSION, _BEGIN_WRITE),
-        *(_SUBMIT, _TAKE_JOB, _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _LIST_JOBS, _SWEEP_JOBS),
-    }
+        *(_SUBMIT, _NEXT_JOB, _REQUEUE_JOB, _HAND_JOB, _HOLD_JOB, _MOVE_JOB),
+        *(_JOB_EVENTS, _SWEEP_JOBS),
+    )
 )
 
 
-def queue_key(kind: str, name: str = "") -> str:
-    """A key of the job queue: ``job`` or ``ev`` of a job id, ``q`` or ``due`` of a route,
-    or the indexes ``ids``, ``exp``, ``routes``."""
-    return f"{QUEUE_TAG}{kind}" + (f":{name}" if name else "")
+def queue_key(kind: str, shard: str, name: str = "") -> str:
+    """A key of the job queue under a route's tag: ``job``, ``ev`` (a job id's events) or
+    ``took`` (a take's token) of ``name``, or the route's ``q``, ``due``, ``ids``, ``exp``."""
+    return f"{KEY_PREFIX}{{ops:{shard}}}:{kind}" + (f":{name}" if name else "")
+
+
+def _shard_of(id: str) -> str:
+    """The shard a job id starts with (``new_job_id``)."""
+    return id.partition("~")[0]
 
 
 class RedisQueue:
-    """``Queue`` as Lua scripts (one round trip, atomic, per call), every key under the
-    hash tag ``{ops}``::
+    """``Queue`` as Lua scripts, atomic, one round trip per call (two or more per take),
+    a route's keys and its jobs' under one hash tag, ``tp:{ops:<shard>}:``::
 
-        tp:{ops}:job:<id>    hash: the job (``_JOB_FIELDS``; ms times), its holder (ho),
-                             hold's end (hu, ms), stream entry (en, '' if none) and the
-                             token of its last write (tk)
-        tp:{ops}:took:<tk>   string: the id a take (its token) handed out, for its hold
-        tp:{ops}:ev:<id>     stream: its events, entry 0-<seq> (``_EVENT_FIELDS``)
-        tp:{ops}:q:<route>   stream: queued jobs (field id), read by the group 'workers'
-        tp:{ops}:due:<route> sorted set: jobs queued again, scored by when due (ms)
-        tp:{ops}:ids         sorted set: every job id, score 0 (``list`` pages by id)
-        tp:{ops}:exp         sorted set: job ids by expiry (ms): ``submit`` drops a few
-                             expired ones from both indexes each time
-        tp:{ops}:routes      set: the routes that have a stream (``sweep``)
-        tp:{ops}:changes     pub/sub channel: the id of each job that changed
+        job:<id>    hash: the job (``_JOB_FIELDS``; ms times), its holder (ho), hold's
+                    end (hu, ms), stream entry (en, '' if none) and the token of its last
+                    write (tk)
+        took:<tk>   string: the id a take (its token) handed out, for its hold
+        ev:<id>     stream: its events, entry 0-<seq>
+        q           stream: the route's queued jobs (field id), read by the group 'workers'
+        due         sorted set: jobs queued again, scored by when due (ms)
+        ids         sorted set: the route's job ids, score 0 (``list`` pages by id)
+        exp         sorted set: job ids by expiry (ms): ``submit`` drops a few expired
+                    ones from both indexes each time
 
-    The job and its events expire ``keep`` after each change (PEXPIRE). A taken job's
-    entry is pending for its worker (the consumer); ``hold`` resets its idle time
-    (XCLAIM JUSTID) and ``take`` takes over entries idle for ``visibility`` (XAUTOCLAIM):
-    the job's ``hu`` decides whether a hold lapsed. A move back to QUEUED or to an end
-    drops the entry (XACK, XDEL). Needs Redis 6.2 or later (XAUTOCLAIM, ZRANGE BYSCORE
-    and BYLEX, exclusive XRANGE).
+    and ``tp:{ops}:routes`` (set: the routes, for ``list`` and ``sweep``) and the pub/sub
+    channel ``tp:{ops}:changes`` (the id of each job that changed). The job and its events
+    expire ``keep`` after each change (PEXPIRE). A take is two steps, each a script on
+    the route's keys: the next entry (``next_job``: XREADGROUP, else XAUTOCLAIM of one
+    idle for ``visibility``), then its job (``hand_job``: held, or the entry dropped if its
+    job ended); an entry read and not handed stays pending for the worker and is taken
+    over like any other. ``hold`` resets its idle time (XCLAIM JUSTID); the job's ``hu``
+    decides whether a hold lapsed. A move back to QUEUED or to an end drops the entry
+    (XACK, XDEL). Needs Redis 6.2 or later (XAUTOCLAIM, ZRANGE BYSCORE and BYLEX,
+    exclusive XRANGE).
     """
 
     def __init__(self, store: RedisStore) -> None:
         self._store = store
+        self._routes: set[str] = set()  # known to be in ROUTES_KEY
 
     async def submit(self, job: Job) -> Job:
+        shard = job_shard(job.route)
+        if _shard_of(job.id) != shard:
+            raise ValueError(f"job {job.id} is not an id of route {job.route} (new_job_id)")
+        if job.route not in self._routes:
+            await self._store._command("SADD", ROUTES_KEY, job.route, resend=True)
+            self._routes.add(job.route)
+        keys = [queue_key("job", shard, job.id), queue_key("ev", shard, job.id)]
+        keys += [queue_key(kind, shard) for kind in ("q", "ids", "exp")]
         args = (job.id, job.route, job.principal, job.slot, job.name, job.label, job.request)
-        keys = [queue_key("job", job.id)]
-        reply = await self._store._script(_SUBMIT, keys, *args, _ms(job.keep), _token())
+        reply = await self._store._script(_SUBMIT, keys, *args, _ms(job.keep), _token(), CHANNEL)
         if reply is None:
             raise ValueError(f"job {job.id} exists")
         return _job(reply)
 
     async def get(self, id: str) -> Job | None:
-        reply = await self._store._command("HMGET", queue_key("job", id), *_JOB_FIELDS, resend=True)
+        key = queue_key("job", _shard_of(id), id)
+        reply = await self._store._command("HMGET", key, *_JOB_FIELDS, resend=True)
         return None if reply[0] is None else _job(reply)
 
     async def events(self, id: str, after: int) -> list[Job] | None:
-        keys = [queue_key("job", id), queue_key("ev", id)]
+        shard = _shard_of(id)
+        keys = [queue_key("job", shard, id), queue_key("ev", shard, id)]
         reply = await self._store._script(_JOB_EVENTS, keys, after)
         if reply is None:
             return None
@@ -1345,13 +856,44 @@ class RedisQueue:
         return events
 
     async def take(self, route: str, worker: str, visibility: float) -> Job | None:
-        keys = [queue_key("q", route)]
-        args = (route, worker, _ms(visibility), _token())
-        reply = await self._store._script(_TAKE_JOB, keys, *args)
-        return None if reply is None else _job(reply)
+        shard, token, cursor = job_shard(route), _token(), ""
+        stream, due = queue_key("q", shard), queue_key("due", shard)
+        took = queue_key("took", shard, token)
+        for _ in range(TAKE_STEPS):
+            reply = await self._store._script(
+                _NEXT_JOB, [stream, due, took], worker, _ms(visibility), cursor
+            )
+            kind = reply[0]
+            if kind == b"none":
+                return None
+            if kind == b"due":
+                await self._requeue(shard, [id.decode() for id in reply[1]])
+                continue
+            entry, id = reply[1].decode(), reply[2].decode()
+            if kind == b"old":
+                cursor = reply[3].decode()
+            keys = [queue_key("job", shard, id), stream, took]
+            args = (entry, id, worker, _ms(visibility), int(kind == b"new"), token)
+            handed = await self._store._script(_HAND_JOB, keys, *args)
+            if handed[0] == 1:
+                return _job(handed[1])
+            if kind == b"took" or cursor == "0-0":  # held no more; every idle entry seen
+                return None
+        return None
+
+    async def _requeue(self, shard: str, ids: list[str]) -> None:
+        """Retries now due go into the route's stream (one script per job, sent at once)."""
+        stream, due = queue_key("q", shard), queue_key("due", shard)
+        await asyncio.gather(
+            *(
+                self._store._script(_REQUEUE_JOB, [queue_key("job", shard, id), stream, due], id)
+                for id in ids
+            )
+        )
 
     async def hold(self, id: str, worker: str, visibility: float) -> bool:
-        keys = [queue_key("job", id)]
+        shard = _shard_of(id)
+        keys = [queue_key("job", shard, id), queue_key("q", shard)]
         return bool(await self._store._script(_HOLD_JOB, keys, worker, _ms(visibility)))
 
     async def move(
@@ -1373,27 +915,60 @@ class RedisQueue:
             fields += ["sn", int(sent)]
         if error is not None:
             fields += ["er", error]
+        shard = _shard_of(id)
+        keys = [queue_key("job", shard, id), queue_key("ev", shard, id)]
+        keys += [queue_key(kind, shard) for kind in ("q", "due", "exp")]
         expected = "," + ",".join(s.value for s in expect) + ","
-        args = (expected, state.value, worker or "", max(int(due * 1000), 0), _token(), *fields)
-        reply = await self._store._script(_MOVE_JOB, [queue_key("job", id)], *args)
+        ms = max(int(due * 1000), 0)
+        args = (expected, state.value, worker or "", ms, _token(), CHANNEL, *fields)
+        reply = await self._store._script(_MOVE_JOB, keys, *args)
         return None if reply is None else _job(reply)
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
-        args = (cursor, max(count, 1), "" if state is None else state.value)
-        reply = await self._store._script(_LIST_JOBS, [queue_key("ids")], *args)
-        return reply[0].decode(), [_job(fields) for fields in reply[1:]]
+        """Route by route (by shard), each route's jobs by id; the cursor is the last id
+        listed, or ``<shard>~`` to start a route."""
+        shards = sorted({job_shard(r.decode()) for r in await self._routes_stored()})
+        shard = _shard_of(cursor) if cursor else (shards[0] if shards else "")
+        if shard not in shards:
+            return "", []
+        start = "(" + cursor if cursor else "-"
+        count = max(count, 1)
+        ids = await self._store._command(
+            "ZRANGE", queue_key("ids", shard), start, "+", "BYLEX", "LIMIT", 0, count, resend=True
+        )
+        replies = await asyncio.gather(
+            *(
+                self._store._command(
+                    "HMGET", queue_key("job", shard, id.decode()), *_JOB_FIELDS, resend=True
+                )
+                for id in ids
+            )
+        )
+        jobs = [_job([*r[:6], b"", *r[7:]]) for r in replies if r[0] is not None]
+        if state is not None:
+            jobs = [j for j in jobs if j.state is state]
+        if len(ids) == count:
+            return ids[-1].decode(), jobs
+        later = shards[shards.index(shard) + 1 :]
+        return (f"{later[0]}~" if later else ""), jobs
+
+    async def _routes_stored(self) -> Sequence[bytes]:
+        return list(await self._store._command("SMEMBERS", ROUTES_KEY, resend=True))
 
     async def sweep(self) -> int:
         """Delete the consumers with nothing pending that have not read for an hour
         (workers gone); return how many."""
-        keys = [queue_key("routes")]
-        return int(await self._store._script(_SWEEP_JOBS, keys, IDLE_CONSUMER_MS))
+        streams = {queue_key("q", job_shard(r.decode())) for r in await self._routes_stored()}
+        deleted = await asyncio.gather(
+            *(self._store._script(_SWEEP_JOBS, [s], IDLE_CONSUMER_MS) for s in sorted(streams))
+        )
+        return sum(int(n) for n in deleted)
 
     async def changes(self) -> AsyncIterator[str]:
         """Over a connection of its own (SUBSCRIBE), closed when the iterator is."""
-        pubsub = self._store._redis.pubsub()
+        pubsub = await self._store._subscriber()
         try:
-            await pubsub.subscribe(queue_key("changes"))
+            await pubsub.subscribe(CHANNEL)
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                 if message is not None:

@@ -1,0 +1,28 @@
+-- KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
+-- result_ms, reexecute_lapsed (0/1), index member. The index drops the members whose
+-- record expired (their score passed) as a new one comes in; its own life is extended
+-- twice as far as needed, so most claims skip that write.
+--- @include "now"
+local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut')
+if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
+  if r[1] ~= 'in_progress' then
+    return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7]}
+  end
+  local left = tonumber(r[5] or 0) - now
+  if left > 0 then return {0, r[1], r[2], r[3], '', left, r[6], r[7]} end
+  if ARGV[6] == '0' then
+    redis.call('HSET', KEYS[1], 'st', 'failed', 'pl', '', 'ut', now)
+    return {0, 'failed', r[2], r[3], '', redis.call('PTTL', KEYS[1]), r[6], now}
+  end
+end
+if r[1] then redis.call('HDEL', KEYS[1], 'pl') end -- a fresh record has none
+redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
+  'lu', now + ARGV[4], 'ct', now, 'ut', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then
+  redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2)
+end
+local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
+return {1, prev or ''}

@@ -1,0 +1,14 @@
+-- A version is a hash: n (number), w (1: set by a write), p (the owner of a write sent
+-- and not settled, or ''). KEYS[1] is the version, KEYS[2] the scope's counter. ``entry``
+-- reads it, or makes a fresh unwritten one.
+--- @include "draw"
+local function entry()
+  local r = redis.call('HMGET', KEYS[1], 'n', 'w', 'p')
+  if r[1] then return r end
+  return {draw(), '0', ''}
+end
+local function keep(n, w, p, ttl)
+  redis.call('HSET', KEYS[1], 'n', n, 'w', w, 'p', p)
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  return {tonumber(n), tonumber(w)}
+end
