@@ -55,7 +55,10 @@ SERVICE = "tool-proxy"
 CONTEXT_FIELDS = frozenset({"traceparent", "tracestate"})
 _CONTEXT_BYTES = frozenset(name.encode() for name in CONTEXT_FIELDS)
 # The MCP conventions' attributes that Streamable HTTP carries in headers.
-_MCP_HEADERS = {b"mcp-session-id": "mcp.session.id", b"mcp-protocol-version": "mcp.protocol.version"}
+_MCP_HEADERS = {
+    b"mcp-session-id": "mcp.session.id",
+    b"mcp-protocol-version": "mcp.protocol.version",
+}
 # A problem type in an answer the proxy made (a problem document, or a JSON-RPC error's
 # data); only this much of the body is looked at.
 _PROBLEM = re.compile(rb"urn:tool-proxy:problem:([a-z0-9-]+)")

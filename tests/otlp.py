@@ -185,7 +185,7 @@ class GrpcReceiver:
         self.received = Received()
         self.port = free_port()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             _TraceService(self.received), self.server
         )
         self.server.add_insecure_port(f"127.0.0.1:{self.port}")

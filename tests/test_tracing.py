@@ -339,8 +339,8 @@ def test_an_mcp_tools_call_with_its_meta_context(receiver: HttpReceiver, tmp_pat
         assert span.attributes["jsonrpc.request.id"]
         assert span.attributes["tool_proxy.plan.session_id"] == "plan-mcp"
         assert span.attributes["tool_proxy.plan.step"] == "2"
-        (link,) = span.links  # the HTTP request's span, in a trace of its own
-        http = one(receiver.received.where(lambda s: s.span_id == link[1]))
+        ((_, http_span_id, _),) = span.links  # the HTTP request's span, in a trace of its own
+        http = one(receiver.received.spans, span_id=http_span_id)
         assert http.kind == "server" and http.name == "POST /mcp"
         assert http.trace_id != trace_id
     assert executed.attributes["jsonrpc.request.id"] != replayed.attributes["jsonrpc.request.id"]
@@ -367,7 +367,7 @@ def test_a_long_call_run_on_another_replica_is_linked_to_its_submitter(
     env = traced_env(receiver.endpoint)
     a = ProxyProcess(config, tmp_path, env=env).start()
     busy, queued = new_key(BODY, step=1), new_key(BODY, step=2)
-    trace_id, parent, traceparent = caller()
+    trace_id, _, traceparent = caller()
     async_ = {"prefer": "respond-async"}
     assert post(a.url, "/tools/run?delay=4", busy, **async_).status_code == 202
     wait_for(lambda: tool.arrived[busy] == 1, what="a's worker to be busy")
