@@ -15,15 +15,22 @@ from typing import Any
 import httpx
 import pytest
 from mcp.server.fastmcp import Context, FastMCP
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from proxy import tracing
+from proxy.app import create_app
 from proxy.asgi import Reply
+from proxy.config import parse_config
 from proxy.errors import ConfigError
-from proxy.otel import problem_in, with_meta
+from proxy.otel import Tracing, problem_in, with_meta
 from tests.conftest import SEALING_ENV, new_key, route
+from tests.idp import IdentityProvider
 from tests.mcp_servers import session
 from tests.otlp import GrpcReceiver, HttpReceiver, Span
 from tests.servers import CountingTool, ProxyProcess, RedisServer, ThreadServer, wait_for
+from tests.test_tokens import SECRET_ENV, token_route
 
 BODY = {"account": "acme", "cents": 42}
 
@@ -417,3 +424,50 @@ def test_the_problem_type_is_read_from_the_proxys_own_answers() -> None:
     body = b'{"type":"urn:tool-proxy:problem:rate-limited","status":429}'
     assert problem_in(Reply(429, [], body)) == "urn:tool-proxy:problem:rate-limited"
     assert problem_in(Reply(200, [], b'{"ok":true}')) is None
+
+
+# -- in process, with the SDK's in-memory exporter -----------------------------------------
+
+
+@pytest.fixture
+def memory_spans() -> Iterator[tuple[InMemorySpanExporter, Tracing]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter, Tracing(provider)
+    provider.shutdown()
+
+
+def serve(tracer: Tracing, *routes: dict[str, Any]) -> ThreadServer:
+    config = parse_config({"store": {"url": "memory://"}, "routes": list(routes)}, env={})
+    return ThreadServer(create_app(config, tracing=tracer)).start()
+
+
+def test_a_token_fetch_and_a_cache_hit_have_spans(
+    memory_spans: tuple[InMemorySpanExporter, Tracing],
+    tool: CountingTool,
+    idp: IdentityProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exporter, tracer = memory_spans
+    monkeypatch.setenv(SECRET_ENV, idp.client_secret)
+    tokened = token_route(tool, idp, "client_credentials")
+    cached = {**route(tool.url, name="cached", prefix="/cached", guarded=False)}
+    cached["cache"] = {"scope": "route", "ttl": "1h"}
+    server = serve(tracer, tokened, cached)
+    try:
+        assert post(server.url, "/tools/db", new_key(BODY)).status_code == 200
+        for _ in range(2):
+            assert httpx.get(server.url + "/cached/x?cache_control=max-age=60").status_code == 200
+    finally:
+        server.stop()
+    spans = exporter.get_finished_spans()
+    by_name = {s.name: s for s in spans}
+    fetch, http = by_name["token fetch"], by_name["POST /tools"]
+    assert fetch.parent is not None and fetch.parent.span_id == http.context.span_id
+    client = next(s for s in spans if s.name == "POST" and s.parent == http.context)
+    assert fetch.end_time is not None and client.start_time is not None
+    assert fetch.end_time <= client.start_time
+    hits = [dict(s.attributes or {}) for s in spans if s.name == "policy cache"]
+    assert [h["tool_proxy.policy.sent"] for h in hits] == [True, False]
+    assert tool.count("/cached/x") == 1
