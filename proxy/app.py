@@ -272,8 +272,8 @@ class Proxy:
             self.log.exception("unexpected_error", path=scope["path"])
             response = internal_error_response()
         seconds = time.perf_counter() - started
-        if trace.span is not None:
-            self.tracing.answered(trace, response)  # type: ignore[union-attr]
+        if self.tracing is not None:
+            self.tracing.answered(trace, response)
         try:
             await response(scope, receive, send)
         finally:  # after the response: the caller does not wait for the bookkeeping
@@ -325,8 +325,8 @@ class Proxy:
         check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
-        if trace.span is not None:
-            self.tracing.routed(trace.span, route, request.method)  # type: ignore[union-attr]
+        if self.tracing is not None:
+            self.tracing.routed(trace.span, route, request.method)
         principal, identity = ("", "") if route.auth is None else await self.caller(request, route)
         view = self.mcp.get(route.name)
         if view is not None:  # JSON-RPC: guard tools/call, pass the rest through (mcp.py)
