@@ -7,7 +7,11 @@ own code (routing, key and body checks, the state machine, the stored outcome, t
 request log and metrics) plus Starlette-free ASGI glue. aiohttp, uvicorn, Redis and the
 kernel are not in these numbers; ``bench/run`` measures them all together.
 
-    .venv/bin/python bench/hot_path.py [--requests N] [--rounds R]
+    .venv/bin/python bench/hot_path.py [--requests N] [--rounds R] [--traced]
+
+``--traced`` turns tracing on as the ``OTEL_*`` variables configure it (an exporter is
+needed: e.g. ``OTEL_EXPORTER_OTLP_ENDPOINT`` of a local receiver, and
+``OTEL_TRACES_SAMPLER=always_on``); the exporter's thread is in the CPU counted.
 
 Prints, for pass-through, first executions (a new key per request), replays (one key),
 first executions on a route with one rate limit (``first-exec-limited``, a quota no run
@@ -31,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from proxy import forwarding, logs
+from proxy import forwarding, logs, tracing
 from proxy.app import App, create_app
 from proxy.config import parse_config
 from proxy.keys import composite_key
@@ -91,7 +95,7 @@ class CannedResponse(forwarding.UpstreamResponse):
         return ANSWER
 
 
-def make_app() -> App:
+def make_app(traced: bool = False) -> App:
     routes = [
         {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
         {"name": "tool", "path_prefix": "/tool", "strip_prefix": True, "idempotency": {}},
@@ -116,7 +120,10 @@ def make_app() -> App:
         {"store": {"url": "memory://"}, "routes": [{**r, "upstream": upstream} for r in routes]},
         env={},
     )
-    app = create_app(config)
+    traces = tracing.from_env(os.environ) if traced else None
+    if traced and traces is None:
+        raise SystemExit("--traced: no OTEL_* variable configures an exporter")
+    app = create_app(config, tracing=traces)
     app.proxy.upstream = CannedUpstream()
     return app
 
@@ -195,8 +202,8 @@ async def measure(app: App, scenario: str, n: int) -> float:
     return spent / n * 1e6
 
 
-async def main(requests: int, rounds: int) -> dict[str, float]:
-    app = make_app()
+async def main(requests: int, rounds: int, traced: bool = False) -> dict[str, float]:
+    app = make_app(traced)
     await app.proxy.store.open()
     best: dict[str, float] = {}
     for _ in range(rounds):
@@ -204,6 +211,8 @@ async def main(requests: int, rounds: int) -> dict[str, float]:
             value = await measure(app, scenario, requests)
             best[scenario] = min(best.get(scenario, value), value)
     await app.proxy.store.close()
+    if app.proxy.tracing is not None:
+        app.proxy.tracing.shutdown()
     return best
 
 
@@ -214,12 +223,12 @@ def quiet_logs() -> None:
     structlog.configure(logger_factory=lambda *args: logs.LineWriter(devnull))
 
 
-def run(requests: int = 20000, rounds: int = 3) -> dict[str, float]:
+def run(requests: int = 20000, rounds: int = 3, traced: bool = False) -> dict[str, float]:
     """The best µs of CPU per request of each scenario (uvloop, as in ``serve``)."""
     import uvloop
 
     quiet_logs()
-    return uvloop.run(main(requests, rounds))
+    return uvloop.run(main(requests, rounds, traced))
 
 
 if __name__ == "__main__":
@@ -227,8 +236,9 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--traced", action="store_true", help="tracing on, from OTEL_*")
     args = parser.parse_args()
-    best = run(args.requests, args.rounds)
+    best = run(args.requests, args.rounds, args.traced)
     if args.json:
         print(json.dumps(best))
     else:

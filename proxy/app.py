@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -75,6 +75,10 @@ from proxy.problems import (
 from proxy.reconcile import Lookup
 from proxy.routes import ABSOLUTE_FORM, Router, check_path, upstream_url
 from proxy.store import Queue, Store, make_queue, make_store
+from proxy.tracing import from_env as tracing_from_env
+
+if TYPE_CHECKING:
+    from proxy.otel import Tracing
 
 # The proxy's own endpoints live under this path; nothing under it is forwarded.
 ADMIN_PREFIX = RESERVED_PREFIX + "/"
@@ -112,6 +116,13 @@ class Trace:
     route: str | None = None
     key: str | None = None
     outcome: Outcome = Outcome.REJECTED
+    problem: str | None = None
+    """The problem type of the proxy's refusal, if it refused."""
+    span: Any = None
+    """The request's span, when tracing is on (``otel.py``); then also its token in
+    ``tracing.CURRENT`` and, on MCP routes, the JSON-RPC message's span."""
+    token: Any = None
+    mcp: Any = None
 
 
 async def read_body(request: Incoming, limit: int) -> bytes:
@@ -172,8 +183,16 @@ def _request_sealer(config: Config) -> Sealer | None:
 class Proxy:
     """The catch-all endpoint: match a route, then pass through or guard."""
 
-    def __init__(self, config: Config, store: Store, upstream: Upstream, tasks: TaskSet) -> None:
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        upstream: Upstream,
+        tasks: TaskSet,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.config = config
+        self.tracing = tracing
         self.store = store
         self.upstream = upstream
         self.tasks = tasks
@@ -236,6 +255,7 @@ class Proxy:
                     tasks,
                     self.log,
                     sealer,
+                    tracing,
                 )
                 for r in config.routes
                 if r.runs_jobs()
@@ -258,6 +278,8 @@ class Proxy:
         """ASGI entry for every proxied request; logs one ``request`` event."""
         started = time.perf_counter()
         trace = Trace()
+        if self.tracing is not None:
+            self.tracing.server(scope, trace)
         try:
             response = await self._dispatch(Incoming.of(scope, receive), trace)
         except CallerLeft as exc:
@@ -266,18 +288,24 @@ class Proxy:
         except ProxyError as exc:
             if trace.key is not None:
                 trace.outcome = _ERROR_OUTCOMES.get(type(exc), Outcome.REJECTED)
+            trace.problem = exc.type
             response = problem_response(exc)
         except Exception:
             self.log.exception("unexpected_error", path=scope["path"])
             response = internal_error_response()
         seconds = time.perf_counter() - started
+        if self.tracing is not None:
+            self.tracing.answered(trace, response)
         try:
             await response(scope, receive, send)
         finally:  # after the response: the caller does not wait for the bookkeeping
             self._log(scope, trace, response.status_code, seconds)
 
     def _log(self, scope: Scope, trace: Trace, status: int, seconds: float) -> None:
-        """The request event and its metrics."""
+        """The request event and its metrics (and the end of its span)."""
+        if trace.span is not None:
+            self._log_traced(scope, trace, status, seconds)
+            return
         self.request_log.info(
             "request",
             method=scope["method"],
@@ -289,6 +317,23 @@ class Proxy:
             latency_ms=round(seconds * 1000, 3),
         )
         self.metrics.observe(trace.route or "", trace.outcome.value, status, seconds)
+
+    def _log_traced(self, scope: Scope, trace: Trace, status: int, seconds: float) -> None:
+        """``_log`` of a traced request: the line names its trace; then the span ends."""
+        assert self.tracing is not None
+        self.request_log.info(
+            "request",
+            method=scope["method"],
+            path=scope["path"],
+            route=trace.route,
+            key=trace.key,
+            outcome=trace.outcome.value,
+            status=status,
+            latency_ms=round(seconds * 1000, 3),
+            **self.tracing.log_fields(trace),
+        )
+        self.metrics.observe(trace.route or "", trace.outcome.value, status, seconds)
+        self.tracing.finish(trace, status)
 
     async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
@@ -304,10 +349,12 @@ class Proxy:
         check_path(path, _raw_path(scope))
         route = self.router.match(path)
         trace.route = route.name
+        if self.tracing is not None:
+            self.tracing.routed(trace.span, route, request.method)
         principal, identity = ("", "") if route.auth is None else await self.caller(request, route)
         view = self.mcp.get(route.name)
         if view is not None:  # JSON-RPC: guard tools/call, pass the rest through (mcp.py)
-            exchange = McpExchange(self, request, route, principal, identity)
+            exchange = McpExchange(self, request, route, principal, identity, trace)
             handled = await view.handle(request, exchange, principal)
             trace.outcome, trace.key = handled.outcome, handled.key
             if exchange.cached and handled.outcome is Outcome.EXECUTED:
@@ -375,6 +422,8 @@ class Proxy:
         if chain is None:
             return forward, None
         context = Context(route, request, body, principal, identity, fence=fence)  # after a claim
+        if self.tracing is not None:
+            return self.tracing.wrap(chain, context, forward), context
         return chain.wrap(context, forward), context
 
     def forwarder(
@@ -438,7 +487,7 @@ class Proxy:
         a new token (which takes a 401 to mean that the tool did nothing)."""
         assert self.tokens is not None and route.token is not None
         subject = bearer_token(request.header(b"authorization"))
-        token = await self.tokens.token(route.name, identity, subject)
+        token = await self._token(route, identity, subject)
         upstream = await self.send(request, route, body, authorization=token, fence=fence)
         if upstream.status != 401:
             return upstream
@@ -446,8 +495,14 @@ class Proxy:
         if not route.token.retry_on_401:
             return upstream  # the tool's answer, recorded like any other
         await upstream.read()
-        token = await self.tokens.token(route.name, identity, subject)
+        token = await self._token(route, identity, subject)
         return await self.send(request, route, body, authorization=token, fence=fence)
+
+    def _token(self, route: RouteConfig, identity: str, subject: str | None) -> Awaitable[str]:
+        """The route's downstream token for this caller (cached, or fetched now)."""
+        assert self.tokens is not None
+        fetch = self.tokens.token(route.name, identity, subject)
+        return fetch if self.tracing is None else self.tracing.timed("token fetch", fetch)
 
     async def caller(self, request: Incoming, route: RouteConfig) -> tuple[str, str]:
         """The caller's principal and identity digests (both "" when no token is sent and
@@ -499,6 +554,11 @@ class Proxy:
             authorization=authorization,
         )
         url = upstream_url(route, _raw_path(scope), scope["query_string"])
+        if self.tracing is not None:
+            once = fence is not None
+            return self.tracing.send(
+                self.upstream, route, request.method, url, headers, body, once, within
+            )
         return self.upstream.send(
             request.method,
             url,
@@ -547,9 +607,16 @@ class McpExchange:
     the same tokens, policies and upstream as an HTTP route's requests."""
 
     def __init__(
-        self, proxy: Proxy, request: Incoming, route: RouteConfig, principal: str, identity: str
+        self,
+        proxy: Proxy,
+        request: Incoming,
+        route: RouteConfig,
+        principal: str,
+        identity: str,
+        trace: Trace,
     ) -> None:
         self.proxy = proxy
+        self.trace = trace
         self.request = request
         self.route = route
         self.principal = principal
@@ -557,7 +624,9 @@ class McpExchange:
         self.context: Context | None = None
 
     def read(self) -> Awaitable[bytes]:
-        return read_body(self.request, self.proxy.max_body)
+        read = read_body(self.request, self.proxy.max_body)
+        tracing = self.proxy.tracing
+        return read if tracing is None else tracing.read_mcp(read, self.request, self.trace)
 
     def forward(
         self,
@@ -575,6 +644,8 @@ class McpExchange:
         self.context = Context(
             route, request, body, self.principal, self.identity, call=call, fence=fence
         )
+        if proxy.tracing is not None:
+            return proxy.tracing.wrap(chain, self.context, send)()
         return chain.wrap(self.context, send)()
 
     def relay(self, upstream: UpstreamResponse) -> Awaitable[Response]:
@@ -685,11 +756,14 @@ def shutdown_seconds(config: Config) -> float:
     return max(call_seconds(r) for r in config.routes) + SHUTDOWN_GRACE_SECONDS
 
 
-def create_app(config: Config, *, store: Store | None = None) -> App:
-    """The ASGI application for ``config``; ``store`` overrides ``config.store.url``."""
+def create_app(
+    config: Config, *, store: Store | None = None, tracing: Tracing | None = None
+) -> App:
+    """The ASGI application for ``config``; ``store`` overrides ``config.store.url``;
+    ``tracing`` (``tracing.from_env``) makes spans, None: none."""
     tasks = TaskSet(logs.get_logger())
     upstream = Upstream()
-    proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks)
+    proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks, tracing)
     drain_seconds = shutdown_seconds(config)
 
     @contextlib.asynccontextmanager
@@ -741,6 +815,8 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
                 await proxy.auth.close()
             if proxy.tokens is not None:
                 await proxy.tokens.close()
+            if tracing is not None:  # the spans still buffered are exported
+                await asyncio.to_thread(tracing.shutdown)
             logs.flush()
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -787,4 +863,5 @@ def create_app(config: Config, *, store: Store | None = None) -> App:
 def app_from_env() -> App:
     """uvicorn factory: the configuration from ``TOOL_PROXY_CONFIG`` (and env overrides)."""
     logs.configure(os.environ.get(logs.ENV_LOG_LEVEL, "info"))
-    return create_app(load_config())
+    config = load_config()
+    return create_app(config, tracing=tracing_from_env(os.environ))

@@ -63,6 +63,7 @@ from proxy.outcome import StoredResponse
 from proxy.reconcile import Finding, Lookup, Reconciler
 from proxy.replay import Replayer, reply
 from proxy.store import Record, State, Store
+from proxy.tracing import note
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 
@@ -481,6 +482,7 @@ class Guard:
         if wait_left > 0:
             return None
         retry_after = max(1, math.ceil(min(self.policy.retry_after, record.ttl)))
+        note("tool_proxy.lease.owner", record.owner.rpartition(".")[0])  # its replica (or job)
         raise RequestInProgress(
             "a request with this Idempotency-Key is being executed; retry later",
             headers={"Retry-After": str(retry_after)},

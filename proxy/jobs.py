@@ -31,7 +31,7 @@ import random
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Scope
@@ -64,6 +64,10 @@ from proxy.records import iso
 from proxy.replay import reply
 from proxy.store import Job, JobState, Queue, Record, RecordKey, State, Store
 from proxy.store.queue import new_job_id
+from proxy.tracing import note
+
+if TYPE_CHECKING:
+    from proxy.otel import Tracing
 
 OPERATIONS_PATH = "/_proxy/operations/"
 JOB_OWNER = "job."
@@ -296,8 +300,11 @@ class RouteJobs:
         tasks: TaskSet,
         log: Any,
         sealer: Sealer | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         assert route.async_ is not None
+        self.tracing = tracing
+        """Spans for the runs (``otel.py``), each a child of its submitter's; None: off."""
         self.sealer = sealer
         """Seals the credentials of stored requests (None: kept as they came)."""
         self.route = route
@@ -407,6 +414,8 @@ class RouteJobs:
             body = b""
         scope = dict(request.scope)
         scope["headers"] = _without_async_preferences(scope["headers"])
+        if self.tracing is not None:  # the worker's span is the submitting request's child
+            scope["headers"] = self.tracing.stamp(scope["headers"])
         stored = StoredRequest(scope, body, op.fingerprint, identity, ref)
         job = Job(
             id=job_id,
@@ -557,7 +566,13 @@ class RouteJobs:
         lease = self.guard.job_lease(op, owner, renewed_at)
         holding = asyncio.create_task(self._hold_while_running(job.id, worker))
         try:
-            await self._attempt(running, request, body, lease, worker)
+            if self.tracing is None:
+                await self._attempt(running, request, body, lease, worker)
+            else:
+                headers = request.scope["headers"]
+                attempt = running.attempts
+                with self.tracing.job(self.route, job.id, job.label, attempt, headers):
+                    await self._attempt(running, request, body, lease, worker)
         except BaseException:
             lease.stop()  # the record lapses to FAILED unless concluded: never renewed forever
             raise
@@ -575,6 +590,8 @@ class RouteJobs:
             response, outcome = await self.guard.execute(lease, forward, fence)
         except NOT_SENT as exc:
             refusal, response, outcome = exc, None, Outcome.RELEASED
+            note("tool_proxy.problem.type", exc.type)
+        note("tool_proxy.outcome", outcome.value)
         error = b""
         if response is not None:
             error = await _drain(response)

@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from proxy.tracing import add_trace_ids
+
 ENV_LOG_LEVEL = "TOOL_PROXY_LOG_LEVEL"
 # Log lines are buffered up to this many bytes, and written out at least this often.
 LOG_BUFFER_BYTES = 64 * 1024
@@ -112,6 +114,7 @@ def configure(level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
+            add_trace_ids,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             redact,
             structlog.processors.format_exc_info,
