@@ -47,8 +47,10 @@ UNLABELLED = """() => Array.from(document.querySelectorAll('input, select, texta
   .map(el => el.outerHTML)"""
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    """Module-scoped: Playwright's sync API keeps its event loop marked running while it
+    is open, and every later `asyncio.run` in the session would refuse to start."""
     if not Path(CHROMIUM).exists():
         pytest.fail("chromium is not installed: scripts/install installs it (Debian package)")
     with sync_playwright() as playwright:
