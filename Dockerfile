@@ -22,9 +22,12 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 # Install (pip compiles the bytecode: the runtime never writes .pyc files), then take pip
-# and setuptools back out of the virtualenv.
+# and setuptools back out of the virtualenv. EXTRAS are the package's optional parts:
+# `otel` by default, so the OTEL_* variables turn traces on in the image as they do
+# elsewhere (docs/tracing.md); `--build-arg EXTRAS=` builds without them.
+ARG EXTRAS=otel
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/python -m pip install --no-cache-dir . \
+    && /opt/venv/bin/python -m pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
     && /opt/venv/bin/python -m pip uninstall --yes pip setuptools
 
 FROM ${PYTHON_IMAGE}

@@ -112,10 +112,20 @@ def test_multi_stage_on_a_pinned_slim_base() -> None:
     assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+", default), default
 
 
+def test_the_image_installs_the_tracing_extra_by_default() -> None:
+    """The OTEL_* variables turn traces on in the image too: the otel extra is installed
+    unless the build says otherwise, and it is one of the package's extras."""
+    build, _ = stages()
+    args = dict(rest.split("=", 1) for k, rest in build if k == "ARG" and "=" in rest)
+    assert args["EXTRAS"] == "otel"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "otel" in extras["optional-dependencies"]
+
+
 def test_the_runtime_stage_holds_only_the_virtualenv() -> None:
     build, runtime = stages()
     build_run = " ".join(rest for k, rest in build if k == "RUN")
-    assert "pip install --no-cache-dir ." in build_run
+    assert 'pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}"' in build_run
     assert "pip uninstall --yes pip setuptools" in build_run  # no build tools are carried over
     assert env_of(build)["PIP_NO_CACHE_DIR"] == "1"
     copies = [rest for k, rest in runtime if k == "COPY"]
