@@ -193,6 +193,8 @@ class Proxy:
     ) -> None:
         self.config = config
         self.tracing = tracing
+        if tracing is not None:
+            tracing.trace_store(store, config.store.url)
         self.store = store
         self.upstream = upstream
         self.tasks = tasks

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -65,6 +65,17 @@ _PROBLEM = re.compile(rb"urn:tool-proxy:problem:([a-z0-9-]+)")
 PROBLEM_SCAN_BYTES = 4096
 # HTTP/protobuf is the default of the OTLP specification (OTEL_EXPORTER_OTLP_PROTOCOL).
 DEFAULT_PROTOCOL = "http/protobuf"
+# The store calls of guarded requests that get spans (``Tracing.trace_store``).
+STORE_OPERATIONS = ("claim", "renew", "complete", "release", "get")
+# ``db.system.name`` of each store URL's scheme (OpenTelemetry's database conventions).
+_STORE_SYSTEMS = {
+    "redis": "redis",
+    "rediss": "redis",
+    "sqlite": "sqlite",
+    "postgresql": "postgresql",
+    "postgres": "postgresql",
+    "memory": "memory",
+}
 
 
 def _version() -> str:
@@ -325,6 +336,39 @@ class Tracing:
             return answer
 
         return run
+
+    def trace_store(self, store: object, url: str) -> None:
+        """The round trips of guarded calls to ``store`` (claim, renew, complete, release,
+        get) as client spans of their request: the store's own time, apart from the
+        tool's. Calls made outside a request (renewals in the background, sweeps, jobs'
+        chores) make no spans."""
+        system = _STORE_SYSTEMS.get(url.split("://", 1)[0].split("+", 1)[0], "other")
+        for operation in STORE_OPERATIONS:
+            call = getattr(store, operation)
+            setattr(store, operation, self._store_call(system, operation, call))
+
+    def _store_call(
+        self, system: str, operation: str, call: Callable[..., Awaitable[T]]
+    ) -> Callable[..., Awaitable[T]]:
+        attributes = {"db.system.name": system, "db.operation.name": operation}
+
+        def traced(*args: Any, **kwargs: Any) -> Awaitable[T]:
+            request = CURRENT.get()
+            if request is None:
+                return call(*args, **kwargs)
+            return self._spanned(f"store {operation}", request, attributes, call(*args, **kwargs))
+
+        return traced
+
+    async def _spanned(
+        self, name: str, parent: Span, attributes: dict[str, str], work: Awaitable[T]
+    ) -> T:
+        context = trace.set_span_in_context(parent)
+        kind = SpanKind.CLIENT
+        with self.tracer.start_as_current_span(
+            name, context=context, kind=kind, attributes=attributes, end_on_exit=True
+        ):
+            return await work
 
     async def timed(self, name: str, work: Awaitable[T]) -> T:
         """``work`` in a span of its own (e.g. a token fetch)."""

@@ -66,6 +66,12 @@ def one(spans: list[Span], **match: Any) -> Span:
     return found[0]
 
 
+def sent(spans: list[Span]) -> Span:
+    """The client span of the call sent to the tool (the store's round trips are client
+    spans too)."""
+    return one([s for s in spans if not s.name.startswith("store ")], kind="client")
+
+
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[HttpReceiver]:
     server = HttpReceiver().start()
@@ -112,10 +118,18 @@ def test_a_first_execution_then_its_replay(
     key = new_key(BODY, step=3, plan="plan-7f3a")
     assert post(proxy.url, key=key, traceparent=traceparent).status_code == 200
 
-    spans = receiver.received.wait(lambda s: s.trace_id == trace_id, count=2)
+    spans = receiver.received.wait(lambda s: s.trace_id == trace_id, count=4)
     server = one(spans, kind="server")
-    client = one(spans, kind="client")
+    client = sent(spans)
     assert server.parent_id == parent and client.parent_id == server.span_id
+    # the store's round trips, each a child of the request: the claim before the send,
+    # the recorded outcome after the answer
+    claim, complete = one(spans, name="store claim"), one(spans, name="store complete")
+    for store in (claim, complete):
+        assert store.kind == "client" and store.parent_id == server.span_id
+        assert store.attributes["db.system.name"] == "memory"
+    assert claim.attributes["db.operation.name"] == "claim"
+    assert claim.end <= client.start and complete.start >= client.end
     assert server.name == "POST /tools"
     attributes = server.attributes
     assert attributes["http.request.method"] == "POST"
@@ -154,7 +168,9 @@ def test_a_first_execution_then_its_replay(
     assert server.parent_id == replay_parent
     assert server.attributes["tool_proxy.outcome"] == "replayed"
     assert server.attributes["tool_proxy.plan.step"] == "3"
-    assert not [s for s in receiver.received.trace(replay_trace) if s.kind == "client"]
+    # nothing sent to the tool: the replay's one round trip is the store's claim
+    clients = [s for s in receiver.received.trace(replay_trace) if s.kind == "client"]
+    assert [s.name for s in clients] == ["store claim"]
     assert tool.count(key) == 1
 
 
@@ -204,7 +220,7 @@ def test_refusals_carry_their_problem_type(proxy: ProxyProcess, receiver: HttpRe
     assert policy.parent_id == server.span_id
     assert policy.attributes["tool_proxy.policy.sent"] is False
     assert policy.attributes["tool_proxy.problem.type"] == "urn:tool-proxy:problem:rate-limited"
-    assert not [s for s in spans if s.kind == "client"]
+    assert not [s for s in spans if s.kind == "client" and not s.name.startswith("store ")]
 
 
 def test_a_lock_wait_is_a_child_span(
@@ -221,7 +237,7 @@ def test_a_lock_wait_is_a_child_span(
     server, lock, client = (
         one(spans, kind="server"),
         one(spans, name="policy lock"),
-        one(spans, kind="client"),
+        sent(spans),
     )
     assert lock.parent_id == server.span_id and client.parent_id == server.span_id
     assert lock.attributes["tool_proxy.policy.sent"] is True
@@ -351,7 +367,7 @@ def test_an_mcp_tools_call_with_its_meta_context(receiver: HttpReceiver, tmp_pat
         assert http.kind == "server" and http.name == "POST /mcp"
         assert http.trace_id != trace_id
     assert executed.attributes["jsonrpc.request.id"] != replayed.attributes["jsonrpc.request.id"]
-    client = one(receiver.received.trace(trace_id), kind="client")
+    client = sent(receiver.received.trace(trace_id))
     assert client.parent_id == executed.span_id
     (seen,) = mcp_tool.seen  # executed once; both places carry the proxy's client span
     expected = f"00-{trace_id}-{client.span_id}-01"
@@ -397,10 +413,10 @@ def test_a_long_call_run_on_another_replica_is_linked_to_its_submitter(
     assert job.attributes["tool_proxy.replica"] != submitted.attributes["tool_proxy.replica"]
     assert job.attributes["tool_proxy.outcome"] == "executed"
     assert job.attributes["tool_proxy.plan.step"] == "2"
-    client = one(spans, kind="client")
+    client = sent(spans)
     assert client.parent_id == job.span_id
-    sent = [r for r in tool.requests if r["headers"].get("idempotency-key") == queued]
-    assert sent[-1]["headers"]["traceparent"] == f"00-{trace_id}-{client.span_id}-01"
+    requests = [r for r in tool.requests if r["headers"].get("idempotency-key") == queued]
+    assert requests[-1]["headers"]["traceparent"] == f"00-{trace_id}-{client.span_id}-01"
 
 
 # -- units ---------------------------------------------------------------------------------
