@@ -103,7 +103,7 @@ def test_a_caller_leaving_before_its_body_is_logged_not_forwarded(
     proxy = ProxyProcess(config, tmp_path).start()
     key = new_key({"n": 1})
     head = (
-        "POST /tools/x HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        "POST /tools/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Idempotency-Key: {key}\r\nContent-Length: 1000\r\n\r\n"
     )
     try:

@@ -238,7 +238,7 @@ def test_on_an_async_route_callers_of_one_key_follow_the_same_job(
 ) -> None:
     """``async: {mode: always}``: every guarded call runs on the route's workers, and its
     caller follows the job over an SSE stream the proxy opens at once: a client whose read
-    timeout (0.5 s) is far shorter than the call keeps waiting, and a second client with
+    timeout (1 s) is far shorter than the call keeps waiting, and a second client with
     the same key follows the same job. Both get the one execution's result."""
     route = {**mcp_route(server2.url), "async": {"mode": "always", "visibility": "1s"}}
     proxy = make_proxy(route)
@@ -247,11 +247,16 @@ def test_on_an_async_route_callers_of_one_key_follow_the_same_job(
     answers: list[dict[str, Any]] = []
     clients = [
         threading.Thread(target=lambda c=call: answers.extend(sessions(proxy.url + "/mcp", [c])))
-        for call in ({**hold, "timeout": 0.5}, hold)
+        for call in ({**hold, "timeout": 1.0}, hold)
     ]
     for client in clients:
         client.start()
-    time.sleep(3)  # both wait on the job, past the first one's read timeout
+    wait_for(
+        lambda: (server2.executions() or {}).get(f"running:{who}") == 1,
+        seconds=30,
+        what="the job's call to reach the tool",
+    )
+    time.sleep(2)  # both wait on the job, past the first one's read timeout
     assert all(client.is_alive() for client in clients)
     httpx.post(f"{server2.url}/open", params={"account": who})
     for client in clients:
