@@ -74,9 +74,13 @@ def server2(
         try:
             wait_for(ready, seconds=30, what=f"the MCP SDK 2.x server; log: {log}")
             yield server
-        finally:
+        finally:  # a call still held open keeps uvicorn's graceful stop waiting
             process.terminate()
-            process.wait(10)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
 
 
 def sessions(url: str, *calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
