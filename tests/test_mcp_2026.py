@@ -240,33 +240,32 @@ def test_a_client_that_times_out_gets_in_progress_then_the_replay(
 def test_on_an_async_route_callers_of_one_key_follow_the_same_job(
     make_proxy: ProxyFactory, server2: Server2
 ) -> None:
-    """``async: {mode: always}``: every guarded call runs on the route's workers, and its
-    caller follows the job over an SSE stream the proxy opens at once: a client whose read
-    timeout (1 s) is far shorter than the call keeps waiting, and a second client with
-    the same key follows the same job. Both get the one execution's result."""
+    """``async: {mode: always}``: every guarded call runs on the route's workers. A client
+    whose read timeout (0.5 s) is shorter than the call gives up (the SDK's -32001, and
+    its courtesy cancellation): the job runs on. A second client with the same key
+    follows the same job, and the first, sending the call again, follows it too. All get
+    the one execution's result."""
     route = {**mcp_route(server2.url), "async": {"mode": "always", "visibility": "1s"}}
     proxy = make_proxy(route)
     who = account()
     hold = {"tool": "hold", "arguments": {"account": who}, "key": new_key({"account": who})}
+    [impatient] = sessions(proxy.url + "/mcp", [{**hold, "timeout": 0.5}])
+    assert impatient["results"][0]["error"]["code"] == -32001  # the client's own timeout
+    assert server2.executions()[f"running:{who}"] == 1
     answers: list[dict[str, Any]] = []
-    clients = [
-        threading.Thread(target=lambda c=call: answers.extend(sessions(proxy.url + "/mcp", [c])))
-        for call in ({**hold, "timeout": 1.0}, hold)
+    followers = [
+        threading.Thread(target=lambda: answers.extend(sessions(proxy.url + "/mcp", [hold])))
+        for _ in range(2)
     ]
-    for client in clients:
-        client.start()
-    wait_for(
-        lambda: (server2.executions() or {}).get(f"running:{who}") == 1,
-        seconds=30,
-        what="the job's call to reach the tool",
-    )
-    time.sleep(2)  # both wait on the job, past the first one's read timeout
-    assert all(client.is_alive() for client in clients)
+    for follower in followers:
+        follower.start()
+    time.sleep(1)  # the followers reach the job (a late one replays: the same answer)
     httpx.post(f"{server2.url}/open", params={"account": who})
-    for client in clients:
-        client.join(30)
+    for follower in followers:
+        follower.join(30)
     assert [text(answer["results"][0]) for answer in answers] == [f"held {who} (#1)"] * 2
     assert server2.executions()[f"hold:{who}"] == 1
+    assert server2.executions()[f"running:{who}"] == 1
 
 
 def until_recorded(url: str, call: dict[str, Any], attempts: int = 20) -> dict[str, Any]:
