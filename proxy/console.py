@@ -25,7 +25,9 @@ import hashlib
 import hmac
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -160,8 +162,10 @@ def _in_limit(name: str, key: str) -> bool:
     return key == name or key.startswith(name + "|")
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.1f} s" if value < 10 else f"{math.ceil(value)} s"
+def _until(now: float, seconds: float) -> str:
+    """When something ``seconds`` from ``now`` ends, to the second (UTC): a time, not a
+    countdown, so a live region changes when the state does, not every second."""
+    return datetime.fromtimestamp(math.ceil(now + seconds), UTC).strftime("%H:%M:%S UTC")
 
 
 def rate_left(config: LimitConfig, ahead: float) -> tuple[int, int]:
@@ -173,20 +177,20 @@ def rate_left(config: LimitConfig, ahead: float) -> tuple[int, int]:
     return max(min(left, int(burst)), 0), int(burst)
 
 
-def limit_now(config: LimitConfig, state: GroupState) -> dict[str, Any]:
+def limit_now(config: LimitConfig, state: GroupState, now: float) -> dict[str, Any]:
     """One limit as the store holds it now: a sentence, and whether it refuses calls
     (a bucket empty, or every slot taken) for some caller."""
     if config.rate is not None:
-        return _rate_now(config, [e for e in state.rates if _in_limit(config.name, e.key)])
+        return _rate_now(config, [e for e in state.rates if _in_limit(config.name, e.key)], now)
     return _slots_now(config, [e for e in state.slots if _in_limit(config.name, e.key)])
 
 
-def _rate_now(config: LimitConfig, entries: list[Entry]) -> dict[str, Any]:
+def _rate_now(config: LimitConfig, entries: list[Entry], now: float) -> dict[str, Any]:
     lefts = [(rate_left(config, e.seconds)[0], e.seconds) for e in entries]
     burst = rate_left(config, 0.0)[1]
     if config.key == "route":
         left, ahead = lefts[0] if lefts else (burst, 0.0)
-        refill = f"; full again in {_seconds(ahead)}" if ahead > 0 else ""
+        refill = f"; full again at {_until(now, ahead)}" if ahead > 0 else ""
         return {"text": f"{left} of {burst} left now{refill}", "limited": left == 0}
     empty = sum(1 for left, _ in lefts if left == 0)
     text = f"{len(lefts)} callers' buckets in use, {empty} of them empty"
@@ -206,18 +210,18 @@ def _slots_now(config: LimitConfig, entries: list[Entry]) -> dict[str, Any]:
     return {"text": text + (f", {full} of them full" if full else ""), "limited": full > 0}
 
 
-def pauses_now(state: GroupState) -> dict[str, Any]:
+def pauses_now(state: GroupState, now: float) -> dict[str, Any]:
     """The pauses the tool set on a route: the whole route's, and its callers'."""
     route = next((p.seconds for p in state.pauses if not p.key), None)
     callers = [p.seconds for p in state.pauses if p.key]
     return {
-        "route": None if route is None else _seconds(route),
+        "route": None if route is None else _until(now, route),
         "callers": len(callers),
-        "longest": _seconds(max(callers)) if callers else None,
+        "longest": _until(now, max(callers)) if callers else None,
     }
 
 
-def locks_now(policy: str, held: LocksHeld) -> list[dict[str, Any]]:
+def locks_now(policy: str, held: LocksHeld, now: float) -> list[dict[str, Any]]:
     """The locks a route's ``policy`` holds: the resource (a digest of its key's value,
     never the value), the fencing token, the lease left."""
     return [
@@ -225,7 +229,7 @@ def locks_now(policy: str, held: LocksHeld) -> list[dict[str, Any]]:
             "policy": policy,
             "resource": lock.key.rpartition("|")[2],
             "token": lock.token,
-            "expires_in": _seconds(lock.expires_in),
+            "until": _until(now, lock.expires_in),
         }
         for lock in held.locks
     ]
@@ -594,17 +598,18 @@ class Console:
 
     async def _route_now(self, route: RouteConfig) -> dict[str, Any]:
         """What the store holds for a route's limits and locks now (every replica's)."""
+        now = time.time()
         limits: list[dict[str, Any]] = []
         pauses = {"route": None, "callers": 0, "longest": None}
         complete = True
         if route.limits and self.buckets is not None:
             state = await self.buckets.state(route.name, LIMIT_ENTRIES)
-            limits = [{"name": c.name, **limit_now(c, state)} for c in route.limits]
-            pauses, complete = pauses_now(state), state.complete
+            limits = [{"name": c.name, **limit_now(c, state, now)} for c in route.limits]
+            pauses, complete = pauses_now(state, now), state.complete
         held: list[dict[str, Any]] = []
         for policy in [p for p in LOCK_POLICIES if getattr(route, p) is not None]:
             found = await self._held(f"{route.name}|{policy}")
-            held += locks_now(policy, found)
+            held += locks_now(policy, found, now)
             complete = complete and found.complete
         return {"limits": limits, "pauses": pauses, "locks": held, "state_partial": not complete}
 

@@ -113,12 +113,15 @@ class Setup:
         delay: float = 0,
         body: Any = BODY,
         path: str = "quick",
-        **headers: str,
+        status: str = "",
+        caller: str | None = None,
     ) -> httpx.Response:
+        """A call of the tool; ``caller``: its ``x-caller`` (the paced route's key)."""
+        headers = {"Idempotency-Key": key, **({"x-caller": caller} if caller else {})}
         return HTTP.post(
-            f"{self.proxy.url}/tools/{path}?delay={delay}",
+            f"{self.proxy.url}/tools/{path}?delay={delay}&status={status}",
             json=body,
-            headers={"Idempotency-Key": key, **headers},
+            headers=headers,
         )
 
     def job(self, body: Any = BODY) -> str:
@@ -508,20 +511,17 @@ def test_routes_show_limits_and_pauses_as_the_store_holds_them(setup: Setup) -> 
     before = routes_card(setup, "paced")
     assert "5 of 5 left now" in before and "0 callers&#39; buckets in use" in before
     assert "Paused" not in before
-    alice = {"x-caller": "alice"}
-    assert setup.call(new_key(BODY, 1, "plan-paced"), path="paced", **alice).status_code == 201
-    slowed = HTTP.post(
-        f"{setup.proxy.url}/tools/paced?status=429",
-        json=BODY,
-        headers={"Idempotency-Key": new_key(BODY, 2, "plan-paced"), **alice},
+    assert (
+        setup.call(new_key(BODY, 1, "plan-paced"), path="paced", caller="alice").status_code == 201
     )
+    slowed = setup.call(new_key(BODY, 2, "plan-paced"), path="paced", status="429", caller="alice")
     assert slowed.status_code == 429
     card = routes_card(setup, "paced")
-    assert re.search(r"3 of 5 left now; full again in 2\d s", card), card
+    assert re.search(r"3 of 5 left now; full again at \d\d:\d\d:\d\d UTC", card), card
     assert "1 callers&#39; buckets in use, 1 of them empty (the lowest: 0 of 2 left)" in card
     assert card.count('class="row-limited"') == 1  # alice's bucket is empty, not the route's
-    assert re.search(r"Paused by the tool for 1 caller \(the longest: (29|30) s more\)", card)
-    paused = setup.call(new_key(BODY, 3, "plan-paced"), path="paced", **alice)
+    assert re.search(r"Paused by the tool for 1 caller \(the longest until [\d:]{8} UTC\)", card)
+    paused = setup.call(new_key(BODY, 3, "plan-paced"), path="paced", caller="alice")
     assert paused.status_code == 429 and "pause" in paused.text
     assert "alice" not in page(setup, "routes").text  # callers' keys are digests
 
@@ -553,6 +553,7 @@ def test_routes_show_the_locks_slots_and_records_in_flight(setup: Setup) -> None
 
 
 def test_limit_sentences() -> None:
+    now = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
     rate = LimitConfig(name="rpm", rate="60/1m", burst=10)
     caller = LimitConfig(name="per", key="principal", rate="60/1m")
     slots = LimitConfig(name="flight", max_in_flight=2)
@@ -561,18 +562,23 @@ def test_limit_sentences() -> None:
         slots=(Entry("flight", 3.0, 2),),
         pauses=(Entry("", 12.4), Entry("c1", 3.0), Entry("c2", 7.25)),
     )
-    assert limit_now(rate, state) == {
-        "text": "5 of 10 left now; full again in 4.5 s",
+    assert limit_now(rate, state, now) == {
+        "text": "5 of 10 left now; full again at 22:13:25 UTC",
         "limited": False,
     }
-    assert limit_now(rate, GroupState())["text"] == "10 of 10 left now"
-    assert limit_now(caller, state) == {
+    assert limit_now(rate, GroupState(), now)["text"] == "10 of 10 left now"
+    assert limit_now(caller, state, now) == {
         "text": "2 callers' buckets in use, 1 of them empty (the lowest: 0 of 60 left)",
         "limited": True,
     }
-    assert limit_now(slots, state) == {"text": "2 of 2 slots taken", "limited": True}
-    assert pauses_now(state) == {"route": "13 s", "callers": 2, "longest": "7.2 s"}
-    assert pauses_now(GroupState()) == {"route": None, "callers": 0, "longest": None}
+    assert limit_now(slots, state, now) == {"text": "2 of 2 slots taken", "limited": True}
+    assert limit_now(slots, GroupState(), now) == {"text": "0 of 2 slots taken", "limited": False}
+    assert pauses_now(state, now) == {
+        "route": "22:13:33 UTC",
+        "callers": 2,
+        "longest": "22:13:28 UTC",
+    }
+    assert pauses_now(GroupState(), now) == {"route": None, "callers": 0, "longest": None}
 
 
 def test_the_live_feed_sends_a_region_again_when_it_changes(plain: Setup) -> None:
@@ -604,11 +610,8 @@ def test_the_routes_live_feed_follows_a_pause(plain: Setup) -> None:
     with HTTP.stream(
         "GET", plain.proxy.url + unescape(found.group(1)), headers=signed_in()
     ) as feed:
-        slowed = HTTP.post(
-            f"{plain.proxy.url}/tools/paced?status=429",
-            json=BODY,
-            headers={"Idempotency-Key": new_key(BODY, 1, "plan-live-pause"), "x-caller": "bo"},
-        )
+        key = new_key(BODY, 1, "plan-live-pause")
+        slowed = plain.call(key, path="paced", status="429", caller="bo")
         assert slowed.status_code == 429
         for line in feed.iter_lines():
             if line.startswith("data:"):
