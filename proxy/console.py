@@ -24,7 +24,10 @@ import asyncio
 import hashlib
 import hmac
 import json
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -39,7 +42,7 @@ from starlette.routing import Route
 from proxy import records
 from proxy.admin import READ_ONLY, AdminAuth
 from proxy.auth.callers import Authenticator, bearer_token
-from proxy.config import Config, RouteConfig
+from proxy.config import Config, LimitConfig, RouteConfig
 from proxy.errors import (
     Forbidden,
     InvalidField,
@@ -54,7 +57,10 @@ from proxy.jobs import RouteJobs, listing
 from proxy.logs import REDACTED, is_secret
 from proxy.offload import Offload
 from proxy.operations import STATES, Caller, Operations
-from proxy.store import JobState, Queue, Record, RecordKey, State, Store
+from proxy.problems import problem_response
+from proxy.store import JobState, Queue, Record, RecordKey, State, Store, make_buckets, make_locks
+from proxy.store.buckets import Buckets, Entry, GroupState
+from proxy.store.locks import Locks, LocksHeld
 
 CONSOLE_PATH = "/_proxy/console/"
 COOKIE = "tool_proxy_console"
@@ -77,6 +83,12 @@ PAGE_RECORDS = 50
 PLAN_PAGES = 20
 # Operations per page of the operations view.
 PAGE_OPERATIONS = 100
+# Entries of each kind (rate buckets, slot sets, pauses) one look at a route's limits
+# reads at most, and locks held per policy; the routes view lists this many locks.
+LIMIT_ENTRIES = 100
+LOCKS_SHOWN = 20
+# The policies whose resource locks the routes view lists (their fencing scopes).
+LOCK_POLICIES = ("lock", "versioning")
 # How the records view orders a page: what needs attention first.
 ATTENTION = {State.FAILED: 0, State.IN_PROGRESS: 1, State.COMPLETED: 2}
 STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
@@ -144,6 +156,85 @@ def policies(route: RouteConfig) -> dict[str, Any]:
     return {k: leaves(v) for k, v in dumped.items() if k not in ("name",)}
 
 
+def _in_limit(name: str, key: str) -> bool:
+    """Whether a bucket or slot set's key is one of limit ``name``'s (``name`` alone, or
+    ``name|<digest of the caller's key value>``)."""
+    return key == name or key.startswith(name + "|")
+
+
+def _until(now: float, seconds: float) -> str:
+    """When something ``seconds`` from ``now`` ends, to the second (UTC): a time, not a
+    countdown, so a live region changes when the state does, not every second."""
+    return datetime.fromtimestamp(math.ceil(now + seconds), UTC).strftime("%H:%M:%S UTC")
+
+
+def rate_left(config: LimitConfig, ahead: float) -> tuple[int, int]:
+    """Whole units a rate's bucket holds now, ``ahead`` seconds of use in it; its burst."""
+    quota, period = config.quota_period()
+    interval = period / quota
+    burst = config.burst if config.burst is not None else quota
+    left = math.floor((interval * burst - ahead) / interval + 1e-6)
+    return max(min(left, int(burst)), 0), int(burst)
+
+
+def limit_now(config: LimitConfig, state: GroupState, now: float) -> dict[str, Any]:
+    """One limit as the store holds it now: a sentence, and whether it refuses calls
+    (a bucket empty, or every slot taken) for some caller."""
+    if config.rate is not None:
+        return _rate_now(config, [e for e in state.rates if _in_limit(config.name, e.key)], now)
+    return _slots_now(config, [e for e in state.slots if _in_limit(config.name, e.key)])
+
+
+def _rate_now(config: LimitConfig, entries: list[Entry], now: float) -> dict[str, Any]:
+    lefts = [(rate_left(config, e.seconds)[0], e.seconds) for e in entries]
+    burst = rate_left(config, 0.0)[1]
+    if config.key == "route":
+        left, ahead = lefts[0] if lefts else (burst, 0.0)
+        refill = f"; full again at {_until(now, ahead)}" if ahead > 0 else ""
+        return {"text": f"{left} of {burst} left now{refill}", "limited": left == 0}
+    empty = sum(1 for left, _ in lefts if left == 0)
+    text = f"{len(lefts)} callers' buckets in use, {empty} of them empty"
+    if lefts:
+        text += f" (the lowest: {min(left for left, _ in lefts)} of {burst} left)"
+    return {"text": text, "limited": empty > 0}
+
+
+def _slots_now(config: LimitConfig, entries: list[Entry]) -> dict[str, Any]:
+    capacity = config.max_in_flight or 0
+    if config.key == "route":
+        held = entries[0].held if entries else 0
+        return {"text": f"{held} of {capacity} slots taken", "limited": held >= capacity}
+    full = sum(1 for e in entries if e.held >= capacity)
+    most = max((e.held for e in entries), default=0)
+    text = f"{len(entries)} callers with calls in flight (the most: {most} of {capacity})"
+    return {"text": text + (f", {full} of them full" if full else ""), "limited": full > 0}
+
+
+def pauses_now(state: GroupState, now: float) -> dict[str, Any]:
+    """The pauses the tool set on a route: the whole route's, and its callers'."""
+    route = next((p.seconds for p in state.pauses if not p.key), None)
+    callers = [p.seconds for p in state.pauses if p.key]
+    return {
+        "route": None if route is None else _until(now, route),
+        "callers": len(callers),
+        "longest": _until(now, max(callers)) if callers else None,
+    }
+
+
+def locks_now(policy: str, held: LocksHeld, now: float) -> list[dict[str, Any]]:
+    """The locks a route's ``policy`` holds: the resource (a digest of its key's value,
+    never the value), the fencing token, the lease left."""
+    return [
+        {
+            "policy": policy,
+            "resource": lock.key.rpartition("|")[2],
+            "token": lock.token,
+            "until": _until(now, lock.expires_in),
+        }
+        for lock in held.locks
+    ]
+
+
 def _text(params: Params, name: str) -> str | None:
     """A parameter, None when absent or empty (an empty form field means "any")."""
     value = params.get(name, "").strip()
@@ -209,6 +300,8 @@ class Console:
         self.desk = desk
         self.operations = operations
         self.max_body = max_body
+        self.buckets: Buckets | None = _part(make_buckets, store)
+        self.locks: Locks | None = _part(make_locks, store)
         self.templates = jinja2.Environment(
             loader=jinja2.PackageLoader("proxy", "templates/console"),
             autoescape=True,
@@ -297,18 +390,21 @@ class Console:
 
     def guard(self, handler: Handler) -> Handler:
         """Errors as pages: a page asked without a (valid) sign-in cookie leads to the
-        sign-in (an expired JWT, too); anything else shows the problem."""
+        sign-in (an expired JWT, too); anything else shows the problem. A client that
+        asks for JSON (``wants_problem``) gets the RFC 9457 document instead."""
 
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (Unauthorized, Forbidden) as exc:
-                if request.method == "GET" and "authorization" not in request.headers:
+            except ProxyError as exc:
+                if wants_problem(request):
+                    response = problem_response(exc)
+                    response.headers.update(SECURITY_HEADERS)
+                    return response
+                if isinstance(exc, Unauthorized | Forbidden) and _to_login(request):
                     back = request.url.path + (f"?{request.url.query}" if request.url.query else "")
                     login = f"{CONSOLE_PATH}login?{urlencode({'next': back})}"
                     return RedirectResponse(login, 303, SECURITY_HEADERS)
-                return self.problem(exc, None)
-            except ProxyError as exc:
                 return self.problem(exc, None)
 
         return guarded
@@ -459,20 +555,9 @@ class Console:
         }
 
     async def routes_view(self, params: Params) -> dict[str, Any]:
-        in_progress = await records.list_records(
-            self.store, records.Filter(state=State.IN_PROGRESS), records.MAX_LIMIT
-        )
-        counts: dict[str, int] = {}
-        for record in in_progress.records:
-            route = records.Address.of(record.key).route if record.key else ""
-            counts[route] = counts.get(route, 0) + 1
-        jobs: dict[str, dict[str, int]] = {}
-        if self.operations is not None:
-            for state in (JobState.QUEUED, JobState.RUNNING, JobState.DEAD):
-                _, page = await self.operations.queue.list(state, "", 1000)
-                for job in page:
-                    jobs.setdefault(job.route, {}).setdefault(state.value, 0)
-                    jobs[job.route][state.value] += 1
+        counts, partial = await self._in_progress()
+        jobs = await self._job_counts()
+        live = await asyncio.gather(*(self._route_now(r) for r in self.config.routes))
         return {
             "title": "Routes and limits",
             "routes": [
@@ -481,11 +566,56 @@ class Console:
                     "policies": policies(r),
                     "in_progress": counts.get(r.name, 0),
                     "operations": jobs.get(r.name, {}),
+                    **now,
                 }
-                for r in self.config.routes
+                for r, now in zip(self.config.routes, live, strict=True)
             ],
-            "counts_partial": bool(in_progress.cursor),
+            "counts_partial": partial,
         }
+
+    async def _in_progress(self) -> tuple[dict[str, int], bool]:
+        """Records in progress per route (calls in flight on every replica), and whether
+        the listing stopped before it saw them all."""
+        page = await records.list_records(
+            self.store, records.Filter(state=State.IN_PROGRESS), records.MAX_LIMIT
+        )
+        counts: dict[str, int] = {}
+        for record in page.records:
+            route = records.Address.of(record.key).route if record.key else ""
+            counts[route] = counts.get(route, 0) + 1
+        return counts, bool(page.cursor)
+
+    async def _job_counts(self) -> dict[str, dict[str, int]]:
+        """Queued, running and dead operations per route."""
+        jobs: dict[str, dict[str, int]] = {}
+        if self.operations is not None:
+            for state in (JobState.QUEUED, JobState.RUNNING, JobState.DEAD):
+                _, page = await self.operations.queue.list(state, "", 1000)
+                for job in page:
+                    jobs.setdefault(job.route, {}).setdefault(state.value, 0)
+                    jobs[job.route][state.value] += 1
+        return jobs
+
+    async def _route_now(self, route: RouteConfig) -> dict[str, Any]:
+        """What the store holds for a route's limits and locks now (every replica's)."""
+        now = time.time()
+        limits: list[dict[str, Any]] = []
+        pauses = {"route": None, "callers": 0, "longest": None}
+        complete = True
+        if route.limits and self.buckets is not None:
+            state = await self.buckets.state(route.name, LIMIT_ENTRIES)
+            limits = [{"name": c.name, **limit_now(c, state, now)} for c in route.limits]
+            pauses, complete = pauses_now(state, now), state.complete
+        held: list[dict[str, Any]] = []
+        for policy in [p for p in LOCK_POLICIES if getattr(route, p) is not None]:
+            found = await self._held(f"{route.name}|{policy}")
+            held += locks_now(policy, found, now)
+            complete = complete and found.complete
+        return {"limits": limits, "pauses": pauses, "locks": held, "state_partial": not complete}
+
+    async def _held(self, scope: str) -> LocksHeld:
+        """The locks held in a fencing scope (none if the store keeps no locks)."""
+        return LocksHeld() if self.locks is None else await self.locks.held(scope, LOCKS_SHOWN)
 
     def _ops(self) -> Operations:
         if self.operations is None:
@@ -541,6 +671,15 @@ class Console:
         return _done(_back(ids), f"{len(ids)} cancelled")
 
 
+def _part(make: Callable[[Store], Any], store: Store) -> Any:
+    """The store's rate buckets or locks (``make_buckets``, ``make_locks``); None for a
+    store that keeps none (the routes view then shows the configuration only)."""
+    try:
+        return make(store)
+    except TypeError:
+        return None
+
+
 def plan_steps(found: Sequence[Record]) -> list[dict[str, Any]]:
     """A plan's records as a timeline: one entry per step (in step order), each with its
     attempts oldest first; a step with several args hashes is one the agent replanned."""
@@ -585,6 +724,18 @@ def _after_login(target: str | None) -> str:
     if not target or not target.startswith(CONSOLE_PATH) or "//" in target or "\\" in target:
         return CONSOLE_PATH
     return target
+
+
+def wants_problem(request: Request) -> bool:
+    """Whether the client asks for JSON rather than a page (``Accept`` names JSON, such
+    as ``application/problem+json``, and not HTML): scripts get problem documents."""
+    accept = request.headers.get("accept", "").lower()
+    return "json" in accept and "text/html" not in accept
+
+
+def _to_login(request: Request) -> bool:
+    """A page asked by a browser without a bearer token: the sign-in is the answer."""
+    return request.method == "GET" and "authorization" not in request.headers
 
 
 def _digest(html: str) -> str:

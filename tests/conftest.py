@@ -135,6 +135,25 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
     cluster.stop()
 
 
+def shared_store_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """The URL of the store ``request.param`` names (memory, sqlite, redis, postgres),
+    emptied once: for a module's proxies shared by its tests (module-scoped fixtures)."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path_factory.mktemp('store')}/state.db"
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        database: str = request.getfixturevalue("postgres_database")
+        server.empty(database)
+        return server.url(database)
+    if request.param == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        redis.flush()
+        return redis.url
+    return "memory://"
+
+
 def each_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The URL of the store ``request.param`` names, emptied: memory, sqlite, redis, or
     redis-cluster (only the contract suites ask for it: ``CONTRACT_STORES``)."""
@@ -160,25 +179,36 @@ CONTRACT_STORES = [*STORES, "redis-cluster"]
 store_url = pytest.fixture(params=STORES)(each_store_url)
 
 
-@pytest.fixture
-def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
-    """Start tool-proxy (uvicorn on a thread) for a list of routes and a store URL."""
+def proxies(state_dir: Path) -> tuple[ProxyFactory, Callable[[], None]]:
+    """A factory that starts tool-proxy (uvicorn on a thread) for a list of routes and a
+    store URL, and what stops every proxy it started (``make_proxy``; a module's shared
+    proxies too)."""
     started: list[ThreadServer] = []
 
     def make(
         *routes: dict[str, Any], store: str = "memory://", port: int | None = None, **top: Any
     ) -> ThreadServer:
-        top.setdefault("state_dir", str(tmp_path / "state"))
+        top.setdefault("state_dir", str(state_dir))
         stored = {"url": store, "sealing_key_env": SEALING_ENV}
         config = parse_config({"store": stored, "routes": list(routes), **top}, env={})
         server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
         started.append(server)
         return server
 
+    def stop() -> None:
+        for server in started:
+            if server.thread.is_alive():
+                server.stop()
+
+    return make, stop
+
+
+@pytest.fixture
+def make_proxy(tmp_path: Path) -> Iterator[ProxyFactory]:
+    """Start tool-proxy (uvicorn on a thread) for a list of routes and a store URL."""
+    make, stop = proxies(tmp_path / "state")
     yield make
-    for server in started:
-        if server.thread.is_alive():
-            server.stop()
+    stop()
 
 
 def new_key(body: Any, step: int = 1, plan: str | None = None) -> str:

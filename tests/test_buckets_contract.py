@@ -199,3 +199,51 @@ async def test_the_sweep_drops_buckets_at_rest_lapsed_slots_and_ended_pauses(
     assert stored_entries(opened, "buckets") == 0
     got = await buckets.take(GROUP, [rates[0]], [slots[0]], "late", 5)
     assert got.allowed and got.rates[0].remaining == 2 and got.free == (0,)
+
+
+# -- the read of a group (the operator console) ------------------------------------------
+
+
+async def test_state_reads_a_groups_buckets_slots_and_pauses_without_changing_them(
+    buckets: Buckets,
+) -> None:
+    other = Rate("rpm|other", RATE.interval, RATE.tolerance)
+    for _ in range(2):
+        assert await take(buckets, RATE)
+    assert await take(buckets, other)
+    assert (await buckets.take(GROUP, [], [SLOTS], "a", 5)).allowed
+    assert (await buckets.take(GROUP, [], [SLOTS], "b", 2)).allowed
+    await buckets.pause(GROUP, 3, "alice")
+    await buckets.pause(GROUP, 4)
+    await buckets.take("route-ab", [RATE], [SLOTS], "c", 5)  # groups apart, prefix or not
+    await buckets.pause("route-ab", 9)
+    state = await buckets.state(GROUP, 10)
+    assert state.complete
+    assert [r.key for r in state.rates] == [RATE.key, other.key]  # the most used first
+    assert 0.15 < state.rates[0].seconds <= 0.201 and 0.05 < state.rates[1].seconds <= 0.101
+    assert all(r.held == 0 for r in state.rates)
+    (slots,) = state.slots
+    assert slots.key == SLOTS.key and slots.held == 2 and 4.5 < slots.seconds <= 5.001
+    assert [(p.key, round(p.seconds)) for p in state.pauses] == [("", 4), ("alice", 3)]
+    again = await buckets.state(GROUP, 10)  # a read: nothing moved
+    assert [(e.key, e.held) for e in again.rates + again.slots + again.pauses] == [
+        (e.key, e.held) for e in state.rates + state.slots + state.pauses
+    ]
+    got = await buckets.take(GROUP, [RATE], [], "o", 5)
+    assert not got.allowed and got.paused > 3  # the pause stands: the read changed nothing
+    empty = await buckets.state("route-c", 10)
+    assert empty.rates == empty.slots == empty.pauses == () and empty.complete
+
+
+async def test_state_is_bounded_and_leaves_out_what_lapsed(buckets: Buckets, later: Later) -> None:
+    for i in range(3):
+        assert await take(buckets, Rate(f"k{i}", 0.1, 0.3, cost=i + 1))
+    assert (await buckets.take(GROUP, [], [SLOTS], "a", 0.2)).allowed
+    await buckets.pause(GROUP, 0.2, "bob")
+    first = await buckets.state(GROUP, 2)
+    assert not first.complete and [r.key for r in first.rates] == ["k2", "k1"]
+    assert len(first.slots) == len(first.pauses) == 1
+    assert (await buckets.state(GROUP, 3)).complete
+    await later(0.35)
+    gone = await buckets.state(GROUP, 3)
+    assert gone.rates == gone.slots == gone.pauses == () and gone.complete

@@ -1,8 +1,8 @@
 """The operator console end to end in a real headless browser: Debian's chromium driven
-by Playwright (one browser for the test session), against a real proxy on SQLite. Sign
-in, find a plan, resolve an unknown outcome with a reason and see the record change,
-requeue a dead operation, see a tool's ``<script>`` as text, the CSRF refusal, the CSP,
-labels and the keyboard, and a live update over SSE.
+by Playwright (one browser and one proxy on SQLite for the module, a fresh browser
+context per test). Sign in, find a plan, resolve an unknown outcome with a reason and see
+the record change, requeue a dead operation, see a tool's ``<script>`` as text, the CSRF
+refusal, the CSP, labels and the keyboard, live updates over SSE, the routes' limits.
 
 ``CONSOLE_SCREENSHOTS=docs/console`` keeps the screenshots of each view there (the ones
 in docs/console.md); otherwise they go to the test's temporary directory."""
@@ -17,15 +17,20 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Dialog, Page, sync_playwright
 
+from proxy.console import CONSOLE_PATH, COOKIE
 from tests.conftest import ProxyFactory, new_key
-from tests.test_console import (
+from tests.test_console import (  # noqa: F401 (fixtures: console_tool ... live_soon)
     BODY,
+    LATE,
     SCRIPT,
     TOKEN,
     ConsoleTool,
     Setup,
-    console_routes,
-    console_tool,  # noqa: F401 (a fixture)
+    console_tool,
+    fresh_tool,
+    live_soon,
+    module_proxy,
+    start,
 )
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -59,31 +64,43 @@ def browser() -> Iterator[Browser]:
         launched.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def setup(
     console_tool: ConsoleTool,  # noqa: F811
-    make_proxy: ProxyFactory,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    module_proxy: ProxyFactory,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Setup:
-    monkeypatch.setenv("CONSOLE_ADMIN_TOKEN", TOKEN)
-    proxy = make_proxy(
-        *console_routes(console_tool.url),  # type: ignore[attr-defined]
-        store=f"sqlite://{tmp_path}/state.db",
-        admin={"token_env": "CONSOLE_ADMIN_TOKEN"},
-    )
-    return Setup(proxy, console_tool)
+    return start(console_tool, module_proxy, f"sqlite://{tmp_path_factory.mktemp('db')}/state.db")
 
 
 @pytest.fixture
-def page(browser: Browser, setup: Setup) -> Iterator[Page]:
-    """A fresh browser context's page, closed before the proxy stops (its live streams
-    end with it, rather than holding up the proxy's shutdown)."""
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
+def fresh(browser: Browser, setup: Setup) -> Iterator[Page]:
+    """A page of a fresh browser context, not signed in; closed before the next test (its
+    live streams end with it)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, reduced_motion="reduce")
     opened = context.new_page()
     opened.set_default_timeout(10_000)
     yield opened
     context.close()
+
+
+@pytest.fixture
+def page(fresh: Page, setup: Setup) -> Page:
+    """A fresh page signed in already (the cookie the sign-in sets: the sign-in itself is
+    test_find_a_plan_and_resolve_its_unknown_outcome's)."""
+    fresh.context.add_cookies(
+        [
+            {
+                "name": COOKIE,
+                "value": TOKEN,
+                "domain": "127.0.0.1",
+                "path": CONSOLE_PATH,
+                "httpOnly": True,
+                "sameSite": "Strict",
+            }
+        ]
+    )
+    return fresh
 
 
 @pytest.fixture
@@ -120,10 +137,13 @@ def labelled(page: Page) -> None:
     assert page.evaluate(UNLABELLED) == []
 
 
-def test_find_a_plan_and_resolve_its_unknown_outcome(page: Page, setup: Setup, shots: Path) -> None:
+def test_find_a_plan_and_resolve_its_unknown_outcome(
+    fresh: Page, setup: Setup, shots: Path
+) -> None:
+    page = fresh
     plan = "plan-browser"
     assert setup.call(new_key(BODY, 1, plan)).status_code == 201
-    assert setup.call(new_key({"n": 2}, 2, plan), body={"n": 2}, delay=1.5).status_code == 504
+    assert setup.call(new_key({"n": 2}, 2, plan), body={"n": 2}, delay=LATE).status_code == 504
     assert setup.call(new_key({"n": 3}, 2, plan), body={"n": 3}).status_code == 201
     dialogs = answering(page, accept=True)
 
@@ -149,14 +169,13 @@ def test_find_a_plan_and_resolve_its_unknown_outcome(page: Page, setup: Setup, s
     page.get_by_role("status").get_by_text("resolved as completed").wait_for()
     assert dialogs and "replay" in dialogs[0]
     assert page.locator(".state-completed").first.is_visible()
-    replay = setup.call(new_key({"n": 2}, 2, plan), body={"n": 2}, delay=1.5)
+    replay = setup.call(new_key({"n": 2}, 2, plan), body={"n": 2}, delay=LATE)
     assert replay.json() == {"resolved": True}
 
 
 def test_a_tool_answer_with_a_script_is_text_and_csp_holds(page: Page, setup: Setup) -> None:
     assert setup.call(new_key(BODY, 1, "plan-xss")).status_code == 201
     dialogs = answering(page, accept=False)
-    sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-xss")
     with page.expect_response(lambda r: "/records/" in r.url) as shown:
         page.get_by_role("link", name="details").click()
@@ -165,14 +184,13 @@ def test_a_tool_answer_with_a_script_is_text_and_csp_holds(page: Page, setup: Se
     assert SCRIPT in page.locator("pre.body").inner_text()
     assert page.locator("pre.body script").count() == 0
     assert "tok-s3cr3t" not in page.content()
-    page.wait_for_timeout(300)
+    page.wait_for_load_state("load")
     assert dialogs == []  # the tool's script never ran
 
 
 def test_a_form_with_a_wrong_csrf_token_is_refused(page: Page, setup: Setup) -> None:
-    assert setup.call(new_key(BODY, 1, "plan-csrf"), delay=1.5).status_code == 504
+    assert setup.call(new_key(BODY, 1, "plan-csrf"), delay=LATE).status_code == 504
     answering(page, accept=True)
-    sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-csrf")
     page.get_by_role("link", name="details").click()
     page.evaluate("document.querySelectorAll('input[name=csrf]').forEach(i => i.value = 'x')")
@@ -187,7 +205,7 @@ def test_a_form_with_a_wrong_csrf_token_is_refused(page: Page, setup: Setup) -> 
 def test_requeue_a_dead_operation_and_follow_it_live(page: Page, setup: Setup, shots: Path) -> None:
     job = setup.job()
     answering(page, accept=True)
-    sign_in(page, setup)
+    page.goto(setup.url)
     page.get_by_role("link", name="Operations").click()
     page.get_by_label("State").select_option("dead")
     page.get_by_role("button", name="Filter").click()
@@ -208,7 +226,6 @@ def test_requeue_a_dead_operation_and_follow_it_live(page: Page, setup: Setup, s
 
 
 def test_live_records_keyboard_and_routes(page: Page, setup: Setup, shots: Path) -> None:
-    sign_in(page, setup)
     page.goto(f"{setup.url}records?plan=plan-live")
     page.get_by_text("No record matches").wait_for()
     setup.call(new_key(BODY, 1, "plan-live"))
@@ -223,6 +240,15 @@ def test_live_records_keyboard_and_routes(page: Page, setup: Setup, shots: Path)
     page.keyboard.press("Enter")
     page.wait_for_url("**/plans")
     page.goto(f"{setup.url}routes")
-    page.get_by_role("heading", name="quick").wait_for()
+    paced = page.locator("article", has=page.get_by_role("heading", name="paced"))
+    paced.get_by_text("5 of 5 left now").wait_for()
+    assert (
+        setup.call(new_key(BODY, 1, "plan-routes"), path="paced", caller="ana").status_code == 201
+    )
+    slowed = setup.call(new_key(BODY, 2, "plan-routes"), path="paced", status="429", caller="ana")
+    assert slowed.status_code == 429
+    paced.get_by_text("Paused by the tool for 1 caller").wait_for()  # no reload: SSE
+    assert "3 of 5 left now" in paced.inner_text()
+    assert paced.locator("tr.row-limited").count() == 1
     labelled(page)
     page.screenshot(path=shots / "routes.png", full_page=True)

@@ -201,3 +201,29 @@ async def test_a_new_scopes_counter_starts_at_the_clock_above_what_was_given_bef
     assert token is not None and token > before
     assert version == Version(token + 1, False)
     assert token < 2**53  # an integer every JSON reader takes exactly
+
+
+# -- the read of a scope's locks (the operator console) ----------------------------------
+
+
+async def test_held_lists_a_scopes_locks_newest_first_without_changing_them(
+    locks: Locks, later: Later
+) -> None:
+    first = await locks.acquire(SCOPE, f"{KEY}-1", "a", TTL)
+    second = await locks.acquire(SCOPE, f"{KEY}-2", "b", 5)
+    await locks.acquire(f"{SCOPE}x", f"{KEY}-3", "c", TTL)  # scopes apart, prefix or not
+    await locks.version(SCOPE, f"{KEY}-4", TTL)  # a version is no lock
+    held = await locks.held(SCOPE, 10)
+    assert held.complete
+    assert [(h.key, h.token) for h in held.locks] == [
+        (f"{KEY}-2", second.token),
+        (f"{KEY}-1", first.token),
+    ]
+    assert 4.5 < held.locks[0].expires_in <= 5 and 0.2 < held.locks[1].expires_in <= TTL
+    assert (await locks.acquire(SCOPE, f"{KEY}-1", "z", TTL)).token is None  # still a's
+    bounded = await locks.held(SCOPE, 1)
+    assert not bounded.complete and [h.key for h in bounded.locks] == [f"{KEY}-2"]
+    assert await locks.release(SCOPE, f"{KEY}-2", "b")
+    await later(TTL + 0.05)
+    assert (await locks.held(SCOPE, 10)).locks == ()
+    assert (await locks.held("nobody", 10)).complete

@@ -19,6 +19,9 @@ burst``), and then moves ``tat`` there. It is the token bucket's exact equivalen
 
 Slots are leases: ``capacity`` owners at a time, each until its lease ends (``ttl``,
 renewed while the call runs), so a replica that dies frees its slots when they lapse.
+
+``state`` reads a group without changing it (the operator console's routes view): the
+buckets not full now, the slot sets with leases held, the pauses in force.
 """
 
 from __future__ import annotations
@@ -77,6 +80,48 @@ class Admission:
     """Per ``Slots``: free slots after the take (0 and below: full)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One live entry of a group, as ``Buckets.state`` reads it."""
+
+    key: str
+    """A rate's or slot set's key; a pause's scope ("" for the whole group)."""
+    seconds: float
+    """A rate: how far its tat runs ahead of now (its bucket is full again then); a slot
+    set: the longest lease left; a pause: how long it holds still."""
+    held: int = 0
+    """A slot set: the leases held now (0 for rates and pauses)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """What a group holds now: rates whose bucket is not full, slot sets with leases held,
+    pauses in force; each the most used first (the largest ``seconds``; slot sets: the
+    most ``held``). ``complete`` is False when some were left out (more than the limit
+    asked for, or a read bounded before it saw them all)."""
+
+    rates: tuple[Entry, ...] = ()
+    slots: tuple[Entry, ...] = ()
+    pauses: tuple[Entry, ...] = ()
+    complete: bool = True
+
+
+def group_state(
+    rates: Sequence[Entry], slots: Sequence[Entry], pauses: Sequence[Entry], limit: int, seen: bool
+) -> GroupState:
+    """The state of live entries (those with time left): ordered, at most ``limit`` of
+    each kind; ``seen`` whether the read saw every entry of the group."""
+
+    def most(entries: Sequence[Entry]) -> list[Entry]:
+        live = [e for e in entries if e.seconds > 0]
+        return sorted(live, key=lambda e: (-e.held, -e.seconds, e.key))
+
+    kinds = [most(rates), most([s for s in slots if s.held > 0]), most(pauses)]
+    complete = seen and all(len(k) <= limit for k in kinds)
+    first = [tuple(k[: max(limit, 0)]) for k in kinds]
+    return GroupState(first[0], first[1], first[2], complete)
+
+
 class Buckets(Protocol):
     """Rate buckets, slots and pauses of groups. Every method is atomic; failures raise
     ``StoreUnavailable`` (``StoreRefused`` for a write the store refuses)."""
@@ -110,6 +155,9 @@ class Buckets(Protocol):
     async def pause(self, group: str, seconds: float, scope: str = "") -> None:
         """Refuse every take of the group under ``scope`` for ``seconds`` (a longer pause
         already set wins); lapsed pauses are dropped, not kept."""
+
+    async def state(self, group: str, limit: int) -> GroupState:
+        """Read the group (nothing changes): at most ``limit`` entries of each kind."""
 
 
 def gcra(tat: float, now: float, rate: Rate) -> tuple[float, float, RateState]:

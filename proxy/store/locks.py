@@ -31,6 +31,8 @@ means the write may have happened, so the next ``begin`` draws a fresh number, a
     begin     ──▶ mark the write (a stale mark: a fresh number, written)
       └─▶ send ──▶ settle(wrote=True): a fresh number, written; the mark cleared
              └──▶ settle(wrote=False): the mark cleared, the number kept
+
+``held`` reads the locks of a scope without changing them (the operator console).
 """
 
 from __future__ import annotations
@@ -52,6 +54,32 @@ class Grant:
 
     token: int | None
     expires_in: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HeldLock:
+    """A lock held now, as ``Locks.held`` reads it: the resource key, its fencing token,
+    and the seconds left on its lease."""
+
+    key: str
+    token: int
+    expires_in: float
+
+
+@dataclass(frozen=True, slots=True)
+class LocksHeld:
+    """The locks held in a scope, the newest (largest token) first; ``complete`` False
+    when some were left out (more than the limit asked for, or a bounded read)."""
+
+    locks: tuple[HeldLock, ...] = ()
+    complete: bool = True
+
+
+def locks_held(found: list[HeldLock], limit: int, seen: bool) -> LocksHeld:
+    """The live locks of ``found``, newest first, at most ``limit``; ``seen`` whether the
+    read saw every lock of the scope."""
+    live = sorted((h for h in found if h.expires_in > 0), key=lambda h: (-h.token, h.key))
+    return LocksHeld(tuple(live[: max(limit, 0)]), seen and len(live) <= limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,3 +120,6 @@ class Locks(Protocol):
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         """Clear ``owner``'s mark; if ``wrote``, move the version to a fresh number. The
         resulting number, or None if ``owner``'s mark is not there (settled already)."""
+
+    async def held(self, scope: str, limit: int) -> LocksHeld:
+        """Read the locks held in ``scope`` now (nothing changes): at most ``limit``."""

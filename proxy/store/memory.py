@@ -9,8 +9,17 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from proxy.store.base import Claim, Record, RecordKey, State
-from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant, Version, counter_start
+from proxy.store.buckets import (
+    Admission,
+    Entry,
+    GroupState,
+    Rate,
+    Slots,
+    adjusted,
+    gcra,
+    group_state,
+)
+from proxy.store.locks import Grant, HeldLock, LocksHeld, Version, counter_start, locks_held
 from proxy.store.queue import Job, JobState
 
 K = TypeVar("K")
@@ -350,6 +359,17 @@ class MemoryBuckets:
         key = (group, scope)
         self._pauses[key] = max(self._pauses.get(key, 0.0), now + seconds)
 
+    async def state(self, group: str, limit: int) -> GroupState:
+        now = self._clock()
+        rates = [Entry(k, tat - now) for (g, k), tat in self._tats.items() if g == group]
+        slots = []
+        for (g, key), held in self._slots.items():
+            live = [until - now for until in held.values() if until > now] if g == group else []
+            if live:
+                slots.append(Entry(key, max(live), len(live)))
+        pauses = [Entry(k, until - now) for (g, k), until in self._pauses.items() if g == group]
+        return group_state(rates, slots, pauses, limit, seen=True)
+
     def sweep(self) -> int:
         """Drop the buckets at rest, the lapsed slot leases and the ended pauses; return
         how many entries."""
@@ -439,6 +459,15 @@ class MemoryLocks:
         if wrote:
             entry.number, entry.written = self._draw(scope), True
         return self._keep(scope, key, entry, ttl).number
+
+    async def held(self, scope: str, limit: int) -> LocksHeld:
+        now = self._clock()
+        found = [
+            HeldLock(key, held.token, held.until - now)
+            for (s, key), held in self._held.items()
+            if s == scope
+        ]
+        return locks_held(found, limit, seen=True)
 
     def sweep(self) -> int:
         """Drop the lapsed locks and versions (not the counters); return how many."""

@@ -44,8 +44,8 @@ from psycopg import sql
 
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
-from proxy.store.buckets import Admission, Rate, RateState, Slots
-from proxy.store.locks import Grant, Version, counter_start
+from proxy.store.buckets import Admission, Entry, GroupState, Rate, RateState, Slots, group_state
+from proxy.store.locks import Grant, HeldLock, LocksHeld, Version, counter_start, locks_held
 from proxy.store.queue import Job, JobState
 
 # Connections the pool keeps open at least, and opens at most.
@@ -261,6 +261,22 @@ class PostgresStore:
                     cursor = await conn.execute(query, [*args, self.now()])
                     return await cursor.fetchall()
 
+    async def read(self, query: str, args: Sequence[Any]) -> list[Row]:
+        """The rows of a read-only ``query`` whose ``{s}`` names the schema and whose last
+        ``%s`` is the time (as for ``call``): the operator console's reads, plain SELECTs
+        rather than functions, so that adding them needs no new schema version (a replica
+        of the version before would refuse to start against it)."""
+        if self._pool is None:
+            raise StoreUnavailable("postgres store: not opened")
+        if not self._migrated:
+            await self._migrate()
+        statement = sql.SQL(query).format(s=sql.Identifier(self.options.schema))
+        with _translated():
+            async with asyncio.timeout(self.options.timeout):
+                async with self._pool.connection() as conn:
+                    cursor = await conn.execute(statement, [*args, self.now()])
+                    return await cursor.fetchall()
+
     async def claim(
         self,
         key: RecordKey,
@@ -474,6 +490,32 @@ class PostgresBuckets:
     async def pause(self, group: str, seconds: float, scope: str = "") -> None:
         await self._store.call("pause", (_paused(group, scope), seconds))
 
+    async def state(self, group: str, limit: int) -> GroupState:
+        prefix = _paused(group, "x")[:-1]
+        rows = await self._store.read(_GROUP_STATE, (group, limit + 1, prefix))
+        kinds: dict[str, list[Entry]] = {"rate": [], "slots": [], "pause": []}
+        for kind, key, seconds, held in rows:
+            kinds[kind].append(Entry(key, float(seconds), int(held)))
+        return group_state(kinds["rate"], kinds["slots"], kinds["pause"], limit, seen=True)
+
+
+# A group's live entries, at most p_limit (+1) of each kind: %s are the group, the limit,
+# the prefix of its scoped pauses, then the time (``PostgresStore.read``).
+_GROUP_STATE = """
+WITH a AS (SELECT %s::text AS grp, %s::integer AS n, %s::text AS scoped, {s}.clock(%s) AS now)
+(SELECT 'rate', r.key, r.tat - a.now, 0::bigint FROM {s}.limit_rates r, a
+    WHERE r.grp = a.grp AND r.tat > a.now ORDER BY r.tat DESC LIMIT (SELECT n FROM a))
+UNION ALL
+(SELECT 'slots', l.key, max(l.until) - min(a.now), count(*) FROM {s}.limit_slots l, a
+    WHERE l.grp = a.grp AND l.until > a.now GROUP BY l.key
+    ORDER BY count(*) DESC, max(l.until) DESC LIMIT (SELECT n FROM a))
+UNION ALL
+(SELECT 'pause', CASE WHEN p.grp = a.grp THEN '' ELSE substr(p.grp, length(a.scoped) + 1) END,
+    p.until - a.now, 0::bigint FROM {s}.limit_pauses p, a
+    WHERE (p.grp = a.grp OR left(p.grp, length(a.scoped)) = a.scoped) AND p.until > a.now
+    ORDER BY p.until DESC LIMIT (SELECT n FROM a))
+"""
+
 
 class PostgresLocks:
     """``Locks`` in the store's database: a scope's counter is a row of
@@ -509,6 +551,12 @@ class PostgresLocks:
         )
         return int(rows[0][0]) if rows else None
 
+    async def held(self, scope: str, limit: int) -> LocksHeld:
+        prefix = _scoped(scope, "")
+        rows = await self._store.read(_HELD_LOCKS, (prefix, limit + 1))
+        found = [HeldLock(key, int(token), float(left)) for key, token, left in rows]
+        return locks_held(found, limit, seen=True)
+
     async def _version(
         self, op: str, scope: str, key: str, owner: str, wrote: bool, ttl: float
     ) -> Version:
@@ -520,6 +568,17 @@ class PostgresLocks:
 
 def _scoped(scope: str, key: str) -> str:
     return f"{scope}\n{key}"
+
+
+# A scope's locks held now, the newest first: %s are the prefix of its keys, the limit,
+# then the time (``PostgresStore.read``).
+_HELD_LOCKS = """
+WITH a AS (SELECT %s::text AS scoped, %s::integer AS n, {s}.clock(%s) AS now)
+SELECT substr(l.key, length(a.scoped) + 1), l.token, l.until - a.now
+    FROM {s}.resource_locks l, a
+    WHERE left(l.key, length(a.scoped)) = a.scoped AND l.until > a.now
+    ORDER BY l.token DESC LIMIT (SELECT n FROM a)
+"""
 
 
 class PostgresQueue:

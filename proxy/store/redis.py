@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import hiredis
@@ -54,8 +54,8 @@ from redis.retry import Retry
 
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
-from proxy.store.buckets import Admission, Rate, RateState, Slots
-from proxy.store.locks import Grant, Version, counter_start
+from proxy.store.buckets import Admission, Entry, GroupState, Rate, RateState, Slots, group_state
+from proxy.store.locks import Grant, HeldLock, LocksHeld, Version, counter_start, locks_held
 from proxy.store.queue import Job, JobState, job_shard
 from proxy.store.redis_nodes import ClusterCoalescer, SentinelCoalescer, seeds
 from proxy.store.redis_scripts import SCRIPTS, Script
@@ -473,6 +473,30 @@ class RedisStore:
     async def delete(self, key: RecordKey) -> bool:
         return bool(await self._command("DEL", record_key(key)))
 
+    async def tagged(self, tag: str, pattern: str) -> tuple[list[str], bool]:
+        """The keys matching ``pattern`` (all under the hash tag of key ``tag``: one node
+        of a cluster holds them), in at most ``TAG_SCANS`` SCAN steps; and whether the
+        scan ended (it saw every key)."""
+        found: set[str] = set()
+        cursor = "0"
+        for _ in range(TAG_SCANS):
+            position, names = await self._scan_step(tag, cursor, pattern)
+            found.update(n.decode() for n in names)
+            cursor = position.decode() if isinstance(position, bytes) else str(position)
+            if cursor == "0":
+                return sorted(found), True
+        return sorted(found), False
+
+    async def _scan_step(self, tag: str, cursor: str, pattern: str) -> Any:
+        scan = ("SCAN", cursor, "MATCH", pattern, "COUNT", TAG_SCAN_COUNT)
+        if not isinstance(self._coalescer, ClusterCoalescer):
+            return await self._command(*scan, resend=True)
+        try:
+            address = await self._coalescer.owner_of(tag)
+            return await self._coalescer.call_at(address, *scan, resend=True)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
+
     async def _command(self, *command: Any, resend: bool = False) -> Any:
         """One plain command; ``resend`` as for ``Coalescer.call`` (reads, plain SETs)."""
         key = command[1] if len(command) > 1 else None
@@ -595,6 +619,14 @@ def _parse_record_key(redis_key: str) -> RecordKey | None:
 _TAKE, _FINISH, _RENEW_SLOTS, _PAUSE = (
     SCRIPTS[n] for n in ("take_units", "finish_units", "renew_slots", "pause")
 )
+# The reads of the operator console: a group's limits, a scope's locks.
+_LIMIT_STATE, _HELD_LOCKS = (SCRIPTS[n] for n in ("limit_state", "held_locks"))
+# What a console read of one hash tag's keys scans at most: SCAN steps, and their COUNT
+# hint (keys of the whole keyspace looked at per step); more keys: the state is partial.
+TAG_SCANS = 10
+TAG_SCAN_COUNT = 1000
+# Keys one read script is given at most (a script blocks Redis while it runs).
+READ_BATCH = 200
 
 
 def limit_key(group: str, kind: str, key: str = "") -> str:
@@ -663,6 +695,34 @@ class RedisBuckets:
     async def pause(self, group: str, seconds: float, scope: str = "") -> None:
         await self._store._script(_PAUSE, [limit_key(group, "pause", scope)], _fms(seconds))
 
+    async def state(self, group: str, limit: int) -> GroupState:
+        tag = limit_key(group, "")
+        names, seen = await self._store.tagged(tag, _glob(tag) + "*")
+        kinds: dict[str, list[Entry]] = {"r": [], "s": [], "pause": []}
+        for batch in _batches([_limit_entry(tag, n) for n in names]):
+            keys = [name for name, _, _ in batch]
+            reply = await self._store._script(_LIMIT_STATE, keys, *(k for _, k, _ in batch))
+            for (_, kind, key), (ms, held) in zip(batch, reply, strict=True):
+                kinds[kind].append(Entry(key, int(ms) / 1000, int(held)))
+        return group_state(kinds["r"], kinds["s"], kinds["pause"], limit, seen)
+
+
+def _limit_entry(tag: str, name: str) -> tuple[str, str, str]:
+    """A group's Redis key as (the key, its kind: r, s or pause, the bucket's key or the
+    pause's scope)."""
+    kind, _, key = name[len(tag) :].partition(":")
+    return name, kind, key
+
+
+def _batches(items: list[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
+    for start in range(0, len(items), READ_BATCH):
+        yield items[start : start + READ_BATCH]
+
+
+def _glob(text: str) -> str:
+    """``text`` matched literally by a SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
 
 # The resource locks' and versions' scripts.
 _ACQUIRE_LOCK, _RENEW_LOCK, _RELEASE_LOCK = (
@@ -716,6 +776,19 @@ class RedisLocks:
         start = counter_start()
         reply = await self._store._script(_BEGIN_WRITE, keys, owner, _ms(ttl), start)
         return _version(key, reply)
+
+    async def held(self, scope: str, limit: int) -> LocksHeld:
+        prefix = resource_keys(scope, "l", "")[0]
+        names, seen = await self._store.tagged(prefix, _glob(prefix) + "*")
+        found = []
+        for start in range(0, len(names), READ_BATCH):
+            batch = names[start : start + READ_BATCH]
+            for name, (token, ms) in zip(
+                batch, await self._store._script(_HELD_LOCKS, batch), strict=True
+            ):
+                if token and int(ms) > 0:
+                    found.append(HeldLock(name[len(prefix) :], int(token), int(ms) / 1000))
+        return locks_held(found, limit, seen)
 
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         keys = resource_keys(scope, "v", key)

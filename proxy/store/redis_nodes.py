@@ -164,6 +164,10 @@ class ClusterCoalescer:
                 raise
         raise last
 
+    async def owner_of(self, key: str) -> Address:
+        """The primary of ``key``'s slot (the node that holds every key of its hash tag)."""
+        return await self._owner(key_slot(key.encode()))
+
     async def call_at(self, address: Address, *command: Any, resend: bool = False) -> Any:
         """Send ``command`` to one node (``SCAN`` of each primary)."""
         return await self._at(address, command, resend, False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -21,8 +21,17 @@ from urllib.parse import parse_qs
 
 from proxy.errors import StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Record, RecordKey, State
-from proxy.store.buckets import Admission, Rate, Slots, adjusted, gcra
-from proxy.store.locks import Grant, Version, counter_start
+from proxy.store.buckets import (
+    Admission,
+    Entry,
+    GroupState,
+    Rate,
+    Slots,
+    adjusted,
+    gcra,
+    group_state,
+)
+from proxy.store.locks import Grant, HeldLock, LocksHeld, Version, counter_start, locks_held
 from proxy.store.queue import Job, JobState
 
 T = TypeVar("T")
@@ -536,6 +545,46 @@ class SQLiteBuckets:
     async def pause(self, group: str, seconds: float, scope: str = "") -> None:
         await self._call(_pause, _paused(group, scope), seconds)
 
+    async def state(self, group: str, limit: int) -> GroupState:
+        if not self._ready:  # the tables, on a database that never took a unit
+            await self._call(_nothing)
+        return await _read(self._store, _group_state, group, limit)
+
+
+def _nothing(db: sqlite3.Connection, now: float) -> None:
+    """A transaction that changes nothing (``_call`` creates the tables first)."""
+
+
+def _read(store: SQLiteStore, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+    """``fn(db, now, *args)`` outside a write transaction: a read takes no write lock."""
+    return store._run(lambda: fn(store._conn(), store._clock(), *args))
+
+
+def _group_state(db: sqlite3.Connection, now: float, group: str, limit: int) -> GroupState:
+    more = limit + 1  # one more than asked: whether some were left out
+    rates = db.execute(
+        "SELECT key, tat - ? FROM limit_rates WHERE grp = ? AND tat > ? ORDER BY tat DESC LIMIT ?",
+        (now, group, now, more),
+    )
+    slots = db.execute(
+        "SELECT key, max(until) - ?, count(*) FROM limit_slots WHERE grp = ? AND until > ?"
+        " GROUP BY key ORDER BY count(*) DESC, max(until) DESC LIMIT ?",
+        (now, group, now, more),
+    )
+    prefix = _paused(group, "x")[:-1]
+    pauses = db.execute(
+        "SELECT substr(grp, ?), until - ? FROM limit_pauses"
+        " WHERE (grp = ? OR substr(grp, 1, ?) = ?) AND until > ? ORDER BY until DESC LIMIT ?",
+        (len(prefix) + 1, now, group, len(prefix), prefix, now, more),
+    )
+    return group_state(
+        [Entry(k, t) for k, t in rates],
+        [Entry(k, t, n) for k, t, n in slots],
+        [Entry(k, t) for k, t in pauses],
+        limit,
+        seen=True,
+    )
+
 
 def _paused(group: str, scope: str) -> str:
     """The ``limit_pauses`` row of a group's pause of ``scope`` (the group's own name for
@@ -693,6 +742,21 @@ class SQLiteLocks:
 
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         return await self._call(_settle_write, scope, key, owner, wrote, ttl)
+
+    async def held(self, scope: str, limit: int) -> LocksHeld:
+        if not self._ready:  # the tables, on a database that never locked
+            await self._call(_nothing)
+        return await _read(self._store, _held_locks, scope, limit)
+
+
+def _held_locks(db: sqlite3.Connection, now: float, scope: str, limit: int) -> LocksHeld:
+    prefix = _scoped(scope, "")
+    rows = db.execute(
+        "SELECT substr(key, ?), token, until - ? FROM resource_locks"
+        " WHERE substr(key, 1, ?) = ? AND until > ? ORDER BY token DESC LIMIT ?",
+        (len(prefix) + 1, now, len(prefix), prefix, now, limit + 1),
+    )
+    return locks_held([HeldLock(k, int(t), left) for k, t, left in rows], limit, seen=True)
 
 
 def _scoped(scope: str, key: str) -> str:
