@@ -14,7 +14,14 @@ import pytest
 from agents import RunContextWrapper, function_tool
 from agents.mcp import MCPServerStreamableHttp, MCPUtil
 from agents.tool_context import ToolContext
+from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
 from langchain_mcp_adapters.client import MultiServerMCPClient
+from langchain_mcp_adapters.interceptors import MCPToolCallRequest
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
 from pydantic_ai import Agent, RunContext
 from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.messages import (
@@ -27,7 +34,8 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from tool_proxy_client import AsyncToolProxy, PlanSession, StepCounter
 from tool_proxy_client.errors import IdempotencyKeyReused
-from tool_proxy_client.langchain import key_interceptor
+from tool_proxy_client.langchain import Handler, key_interceptor
+from tool_proxy_client.langgraph import graph_plan, graph_step
 from tool_proxy_client.mcp import call_tool
 from tool_proxy_client.openai_agents import tool_meta_resolver
 from tool_proxy_client.pydantic_ai import key_tool_calls, run_step
@@ -267,3 +275,119 @@ def test_pydantic_ai_function_tools_call_http_tools_with_the_runs_steps(
     assert asyncio.run(run()) == "execution 1, replayed=False"
     assert asyncio.run(run()) == "execution 1, replayed=True"  # the same run_id, step 1.1
     assert tool.total == 1
+
+
+# LangGraph: a checkpointed graph whose run fails after its tool calls went out (the answer
+# lost on the way back) and is resumed from its checkpoint.
+
+
+class LostAnswers:
+    """An interceptor inside the key's: the first ``count`` calls reach the tool, and then
+    their answers are lost (a connection dropped on the way back)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    async def __call__(self, request: MCPToolCallRequest, handler: Handler) -> Any:
+        result = await handler(request)
+        if self.count > 0:
+            self.count -= 1
+            raise ConnectionError("the answer was lost")
+        return result
+
+
+def charges(account: str, *cents: int) -> AIMessage:
+    return AIMessage(
+        "",
+        tool_calls=[
+            {"name": "charge", "args": {"account": account, "cents": c}, "id": uuid.uuid4().hex}
+            for c in cents
+        ],
+    )
+
+
+def test_langgraph_resumed_graph_sends_the_same_keys(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """The plan from the graph's thread, the step from its step, node and the call's place
+    in the AIMessage: the tools node run again on resume replays both calls."""
+    proxy = make_proxy(mcp_route(mcp_tool.url, required=True))
+    account = who()
+    model = GenericFakeChatModel(messages=iter([charges(account, 100, 200), charges(account, 300)]))
+    config: RunnableConfig = {"configurable": {"thread_id": f"thread-{uuid.uuid4().hex}"}}
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = MultiServerMCPClient(
+            {"billing": {"url": proxy.url + "/mcp", "transport": "streamable_http"}},
+            tool_interceptors=[key_interceptor(), LostAnswers(1)],
+        )
+        tools = [t for t in await client.get_tools() if t.name == "charge"]
+
+        async def agent(state: MessagesState) -> dict[str, Any]:
+            return {"messages": [await model.ainvoke(state["messages"])]}
+
+        builder = StateGraph(MessagesState)
+        builder.add_node("agent", agent)
+        builder.add_node("tools", ToolNode(tools))
+        builder.add_edge(START, "agent")
+        builder.add_edge("agent", "tools")
+        builder.add_edge("tools", END)
+        graph = builder.compile(checkpointer=InMemorySaver())
+        with pytest.raises(ConnectionError):  # the run fails in its tools node
+            await graph.ainvoke({"messages": [HumanMessage("charge twice")]}, config)
+        resumed = await graph.ainvoke(None, config)  # from the checkpoint: the tools again
+        later = await graph.ainvoke({"messages": [HumanMessage("once more")]}, config)
+        return answers(resumed), answers(later)
+
+    resumed, later = asyncio.run(scenario())
+    assert sorted(text.split(" (#")[0] for text in resumed) == [
+        f"charged 100 to {account}",
+        f"charged 200 to {account}",
+    ]
+    assert later[-1] == f"charged 300 to {account} (#3)"  # a new input: later steps, new calls
+    assert mcp_tool.executions[account] == 3  # not 4: the lost answer's call was replayed
+
+
+def answers(state: dict[str, Any]) -> list[str]:
+    return [
+        str(block["text"]) if isinstance(block, dict) else str(block)
+        for message in state["messages"]
+        if isinstance(message, ToolMessage)
+        for block in (message.content if isinstance(message.content, list) else [message.content])
+    ]
+
+
+def test_langgraph_nodes_call_http_tools_with_the_graphs_step(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    proxy = make_proxy(route(tool.url))
+    config: RunnableConfig = {"configurable": {"thread_id": f"thread-{uuid.uuid4().hex}"}}
+    crashes = [True]
+    seen: list[str] = []
+
+    async def bill(state: MessagesState, config: RunnableConfig) -> dict[str, Any]:
+        async with AsyncToolProxy(proxy.url) as client:
+            answer = await client.call(
+                graph_step(config), "/tools/charge", {"account": "acme", "amount": 42}
+            )
+        seen.append(f"execution {answer.json()['execution']}, replayed={answer.replayed}")
+        if crashes.pop() if crashes else False:
+            raise ConnectionError("the worker died before the checkpoint")
+        return {"messages": [AIMessage(seen[-1])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("bill", bill)
+    builder.add_edge(START, "bill")
+    builder.add_edge("bill", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+
+    async def scenario() -> None:
+        with pytest.raises(ConnectionError):
+            await graph.ainvoke({"messages": [HumanMessage("bill")]}, config)
+        await graph.ainvoke(None, config)
+
+    asyncio.run(scenario())
+    assert seen == ["execution 1, replayed=False", "execution 1, replayed=True"]
+    assert tool.total == 1
+    step = graph_step({**config, "metadata": {"langgraph_step": 1, "langgraph_node": "bill"}})
+    assert step.plan == graph_plan(config) and step.index == "1.bill"
