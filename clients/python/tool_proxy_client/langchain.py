@@ -2,8 +2,13 @@
 
     client = MultiServerMCPClient(
         {"billing": {"url": "http://tool-proxy:8080/billing/mcp", "transport": "streamable_http"}},
-        tool_interceptors=[key_interceptor(plan.counter())],
+        tool_interceptors=[key_interceptor()],
     )
+
+In a LangGraph graph (a ``ToolNode`` of the adapters' tools) the default steps are
+:func:`tool_proxy_client.langgraph.tool_call_step`: the plan from the graph's thread, the
+step from the graph's step, so a graph resumed from its checkpoint sends the same keys.
+Outside a graph, give it a counter (``key_interceptor(plan.counter())``).
 
 The adapters' interceptors cannot set ``params._meta``: the key goes in the
 ``Idempotency-Key`` header of the call (the adapters open a connection per call with the
@@ -17,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tool_proxy_client.errors import RecordIdentity
+from tool_proxy_client.langgraph import tool_call_step
 from tool_proxy_client.mcp import problem_of_error
 from tool_proxy_client.session import Step, StepCounter
 
@@ -32,10 +38,11 @@ class Interceptor(Protocol):
 
 
 def key_interceptor(
-    steps: StepCounter | Callable[[Any], Step],
+    steps: StepCounter | Callable[[Any], Step] = tool_call_step,
 ) -> Interceptor:
     """An interceptor for ``MultiServerMCPClient(tool_interceptors=[...])``: ``steps`` is a
-    counter, or a function of the ``MCPToolCallRequest`` (``runtime`` is LangGraph's) to a step."""
+    counter, or a function of the ``MCPToolCallRequest`` (``runtime`` is LangGraph's) to a
+    step; by default the graph's (:func:`tool_proxy_client.langgraph.tool_call_step`)."""
 
     async def intercept(request: Any, handler: Handler) -> Any:
         step = steps.next() if isinstance(steps, StepCounter) else steps(request)

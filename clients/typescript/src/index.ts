@@ -8,3 +8,6 @@ export {
   type ToolProxyOptions, type Waits, bodyHash,
 } from "./client.js";
 export { CODES, type CallsTools, KEY_META, OTHER_CODE, callTool, metaFor, problemOfError } from "./mcp.js";
+export {
+  type Execute, type Steps, type ToolExecutionOptions, answerValue, httpExecute, mcpExecute, responseStep,
+} from "./ai-sdk.js";
