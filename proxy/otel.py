@@ -119,6 +119,20 @@ def _now() -> int:
     return time.time_ns()
 
 
+async def _timed_event(span: Span, name: str, system: str, operation: str, work: Awaitable[T]) -> T:
+    """``work`` as an event of ``span`` at its start, with its duration (and its error)."""
+    started = _now()
+    attributes: dict[str, str | float] = {"db.system.name": system, "db.operation.name": operation}
+    try:
+        return await work
+    except BaseException as exc:
+        attributes["error.type"] = type(exc).__name__
+        raise
+    finally:
+        attributes["tool_proxy.store_ms"] = round((_now() - started) / 1e6, 3)
+        span.add_event(name, attributes, timestamp=started)
+
+
 def _headers(raw: RawHeaders) -> dict[str, str]:
     """The trace context fields among ASGI headers (names lower-case)."""
     return {k.decode(): v.decode("latin-1") for k, v in raw if k in _CONTEXT_BYTES}
@@ -339,9 +353,10 @@ class Tracing:
 
     def trace_store(self, store: object, url: str) -> None:
         """The round trips of guarded calls to ``store`` (claim, renew, complete, release,
-        get) as client spans of their request: the store's own time, apart from the
-        tool's. Calls made outside a request (renewals in the background, sweeps, jobs'
-        chores) make no spans."""
+        get) as events of their request's span, each with its duration: the store's own
+        time, apart from the tool's. Events, not spans: a span costs the SDK several
+        times more (docs/tracing.md#overhead). Calls made outside a request (renewals in
+        the background, sweeps, jobs' chores) make none."""
         system = _STORE_SYSTEMS.get(url.split("://", 1)[0].split("+", 1)[0], "other")
         for operation in STORE_OPERATIONS:
             call = getattr(store, operation)
@@ -350,25 +365,15 @@ class Tracing:
     def _store_call(
         self, system: str, operation: str, call: Callable[..., Awaitable[T]]
     ) -> Callable[..., Awaitable[T]]:
-        attributes = {"db.system.name": system, "db.operation.name": operation}
+        name = f"store {operation}"
 
         def traced(*args: Any, **kwargs: Any) -> Awaitable[T]:
             request = CURRENT.get()
-            if request is None:
+            if request is None or not request.is_recording():
                 return call(*args, **kwargs)
-            return self._spanned(f"store {operation}", request, attributes, call(*args, **kwargs))
+            return _timed_event(request, name, system, operation, call(*args, **kwargs))
 
         return traced
-
-    async def _spanned(
-        self, name: str, parent: Span, attributes: dict[str, str], work: Awaitable[T]
-    ) -> T:
-        context = trace.set_span_in_context(parent)
-        kind = SpanKind.CLIENT
-        with self.tracer.start_as_current_span(
-            name, context=context, kind=kind, attributes=attributes, end_on_exit=True
-        ):
-            return await work
 
     async def timed(self, name: str, work: Awaitable[T]) -> T:
         """``work`` in a span of its own (e.g. a token fetch)."""

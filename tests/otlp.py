@@ -51,6 +51,8 @@ class Span:
     status: int
     start: int
     end: int
+    events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
+    """(name, time in ns, attributes) of each event."""
 
     @property
     def seconds(self) -> float:
@@ -91,6 +93,10 @@ class Received:
                             status=span.status.code,
                             start=span.start_time_unix_nano,
                             end=span.end_time_unix_nano,
+                            events=[
+                                (e.name, e.time_unix_nano, _attributes(e.attributes))
+                                for e in span.events
+                            ],
                         )
                     )
         with self.lock:
