@@ -180,7 +180,7 @@ def _check_records_flags(args: argparse.Namespace) -> None:
 async def _records(args: argparse.Namespace, config: Config) -> Any:
     """Run one records command against the configured store; its JSON result."""
     _check_records_flags(args)
-    store = make_store(config.store.url)
+    store = make_store(config.store.url, config.store.durable())
     await store.open()
     try:
         return await _change(args, records.Records(store, config.routes, _audit_log()))
@@ -283,7 +283,7 @@ async def _operations(args: argparse.Namespace, config: Config) -> Any:
         if state is None:
             raise InvalidField("--state", f"one of {', '.join(STATES)}")
     limit = parse_limit(getattr(args, "limit", None), "--limit")
-    store = make_store(config.store.url)
+    store = make_store(config.store.url, config.store.durable())
     await store.open()
     try:
         queue = make_queue(store)
