@@ -20,7 +20,7 @@ from proxy.errors import ConfigError, StoreUnavailable
 from proxy.store import Durability, RecordKey, State, make_store
 from proxy.store.redis import RedisStore, record_key
 from tests.conftest import ProxyFactory, new_key, route
-from tests.servers import CountingTool, RedisServer, ReplicatedRedis, wait_for
+from tests.servers import CountingTool, RedisCluster, RedisServer, ReplicatedRedis, wait_for
 
 KEY = RecordKey("route|anon|plan|1", "a" * 64)
 ON = Durability(replicas=1, timeout=0.2)
@@ -247,3 +247,22 @@ def test_a_primary_killed_after_claims_and_outcomes_loses_nothing_only_with_dura
         # outcome-unknown, instead of the answer the callers got.
         assert {r.status_code for r in after[3:5]} <= {409, 502}, after[3].text
         assert [tool.count(_key(i)) for i in range(5)] == [1] * 5
+
+
+@pytest.mark.anyio
+async def test_a_cluster_confirms_each_write_on_its_slots_primary(
+    redis_cluster: RedisCluster,
+) -> None:
+    """Each WAIT goes with its writes to their slot's primary, whose replica confirms it."""
+    redis_cluster.flush()
+    store = RedisStore(redis_cluster.url, Durability(1, 1.0))
+    keys = [RecordKey(f"route|anon|plan-{i}|1", "n") for i in range(24)]  # over every node
+    try:
+        claims = await asyncio.gather(*(store.claim(k, "fp", "me", 5, 60) for k in keys))
+        assert all(c.claimed for c in claims)
+        done = [store.complete(k, "me", "fp", State.COMPLETED, b"v2 200", 60) for k in keys]
+        assert all(await asyncio.gather(*done))
+    finally:
+        await store.close()
+    waits = sum(_commands(port, "wait") for port in redis_cluster.primaries())
+    assert waits >= len(redis_cluster.primaries())  # each primary confirmed its own
