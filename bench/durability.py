@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.store import Durability, RecordKey, State
 from proxy.store.redis import RedisStore
-from tests.servers import RedisServer, replica_synced, wait_for
+from tests.servers import RedisServer, replica_acknowledges, replica_synced, wait_for
 
 
 async def _call(store: RedisStore, i: int, tag: str) -> None:
@@ -108,6 +108,7 @@ def main() -> None:
         try:
             _cli(replica.port, "REPLICAOF", "127.0.0.1", str(primary.port))
             wait_for(lambda: replica_synced(primary.port), what="replica in sync")
+            wait_for(lambda: replica_acknowledges(primary.port), what="replica acknowledging")
             asyncio.run(_measure(primary, args.calls, args.concurrency, args.rounds))
         finally:
             primary.stop()

@@ -533,6 +533,10 @@ class Relay:
         await self._set_cut(True)
         if self._server is not None:
             self._server.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:  # the connections' pipes: the loop is closed after this
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._cut:
@@ -618,8 +622,9 @@ class ReplicatedRedis:
         assert self.cli(server.port, "REPLICAOF", "127.0.0.1", str(port)) == "OK"
 
     def synced(self) -> bool:
-        """The replica is online and has every write of the primary."""
-        return replica_synced(self.primary.port)
+        """The replica is online, has every write of the primary and acknowledges new ones
+        (right after a full sync, "online" comes before the stream flows)."""
+        return replica_synced(self.primary.port) and replica_acknowledges(self.primary.port)
 
     def lag(self) -> None:
         """Replication stopped (the primary sees no replica): writes stay on the primary."""
@@ -652,6 +657,21 @@ class ReplicatedRedis:
         for server in (self.primary, self.replica, self.spare):
             if server.process is not None:
                 server.kill()
+
+
+def replica_acknowledges(primary: int) -> bool:
+    """A write on the Redis primary on ``primary``, then ``WAIT 1`` on the same connection,
+    answers 1: a replica has it (right after a full sync, a replica shows "online" before
+    the stream reaches it)."""
+    with socket.create_connection(("127.0.0.1", primary), timeout=5) as sock:
+        sock.sendall(b"SET probe 1\r\nWAIT 1 100\r\n")
+        reply = b""
+        while reply.count(b"\r\n") < 2:
+            chunk = sock.recv(64)
+            if not chunk:
+                return False
+            reply += chunk
+    return reply == b"+OK\r\n:1\r\n"
 
 
 def free_bus_port() -> int:
