@@ -765,7 +765,13 @@ def create_app(
     ``tracing`` (``tracing.from_env``) makes spans, None: none."""
     tasks = TaskSet(logs.get_logger())
     upstream = Upstream()
-    proxy = Proxy(config, store or make_store(config.store.url), upstream, tasks, tracing)
+    proxy = Proxy(
+        config,
+        store or make_store(config.store.url, config.store.durable()),
+        upstream,
+        tasks,
+        tracing,
+    )
     drain_seconds = shutdown_seconds(config)
 
     @contextlib.asynccontextmanager

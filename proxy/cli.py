@@ -87,6 +87,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Apply the PostgreSQL schema (idempotent; safe while replicas start): say what it
+    was and is at. Other stores have no schema to apply."""
+    url = load_config(args.config).store.url
+    if url.partition("://")[0] not in ("postgresql", "postgres"):
+        return _fail([f"store.url: migrate applies the PostgreSQL schema; {url} has none"])
+    from proxy.store.postgres import apply_schema, parse_postgres_url
+
+    schema = parse_postgres_url(url).schema
+    try:
+        before, after = asyncio.run(apply_schema(url))
+    except ProxyError as exc:
+        print(f"error: {exc.detail}", file=sys.stderr)
+        return EXIT_FAILED
+    done = f"migrated from version {before}" if before < after else "already up to date"
+    print(f"ok: schema {schema} at version {after} ({done})")
+    return 0
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.file)
     guarded = sum(1 for r in config.routes if r.idempotency is not None)
@@ -180,7 +199,7 @@ def _check_records_flags(args: argparse.Namespace) -> None:
 async def _records(args: argparse.Namespace, config: Config) -> Any:
     """Run one records command against the configured store; its JSON result."""
     _check_records_flags(args)
-    store = make_store(config.store.url)
+    store = make_store(config.store.url, config.store.durable())
     await store.open()
     try:
         return await _change(args, records.Records(store, config.routes, _audit_log()))
@@ -283,7 +302,7 @@ async def _operations(args: argparse.Namespace, config: Config) -> Any:
         if state is None:
             raise InvalidField("--state", f"one of {', '.join(STATES)}")
     limit = parse_limit(getattr(args, "limit", None), "--limit")
-    store = make_store(config.store.url)
+    store = make_store(config.store.url, config.store.durable())
     await store.open()
     try:
         queue = make_queue(store)
@@ -356,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         "then recorded FAILED); default: the longest a call can take, plus 5",
     )
     serve.set_defaults(func=cmd_serve)
+
+    migrate = sub.add_parser(
+        "migrate", help="apply the PostgreSQL store's schema now (else each replica's start does)"
+    )
+    migrate.add_argument("--config", help="YAML file (default: $TOOL_PROXY_CONFIG)")
+    migrate.set_defaults(func=cmd_migrate)
 
     check = sub.add_parser("check-config", help="validate a configuration file")
     check.add_argument("file")

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -31,6 +32,7 @@ from proxy.errors import ConfigError
 from proxy.hosts import check_host_entry, check_origin_entry
 from proxy.keys import Canonicalization, KeyKind
 from proxy.numbers import whole
+from proxy.store.base import Durability
 
 # The store used when the file names none: the embedded SQLite database.
 DEFAULT_STORE_URL = "sqlite:///var/lib/tool-proxy/state.db"
@@ -102,6 +104,13 @@ DEFAULT_STATE_DIR = "/var/lib/tool-proxy"
 DEFAULT_RECONCILE_TIMEOUT = 5.0
 DEFAULT_RECONCILE_RETRIES = 3
 DEFAULT_RECONCILE_INTERVAL = 5.0
+
+# store.durability: how long a claim or an outcome waits for its replicas by default, and
+# at most (a WAIT holds back every command behind it on the connection requests share).
+DEFAULT_DURABILITY_TIMEOUT = 0.2
+MAX_DURABILITY_TIMEOUT = 5.0
+# The most replicas store.durability.replicas may ask for (Redis counts them in an int).
+MAX_DURABILITY_REPLICAS = 64
 
 # Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
 RESERVED_PREFIX = "/_proxy"
@@ -185,6 +194,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DurabilityConfig(_Strict):
+    """``store.durability`` (Redis only): a claim, a lease's renewal and a recorded
+    outcome count as written once ``replicas`` replicas have them (``WAIT``; with
+    ``aof``, ``WAITAOF``: in the primary's append-only file and in theirs), within
+    ``timeout``. A claim not confirmed is released and not sent (503); an outcome not
+    confirmed goes to the journal and is written again."""
+
+    replicas: int = Field(ge=1, le=MAX_DURABILITY_REPLICAS)
+    timeout: Duration = DEFAULT_DURABILITY_TIMEOUT
+    aof: bool = False
+
+    @field_validator("timeout")
+    @classmethod
+    def _short(cls, timeout: float) -> float:
+        if timeout > MAX_DURABILITY_TIMEOUT:
+            raise ValueError(
+                f"at most {MAX_DURABILITY_TIMEOUT:g}s: a WAIT holds back every command "
+                "behind it on the connection that requests share"
+            )
+        return timeout
+
+    def spec(self) -> Durability:
+        return Durability(self.replicas, self.timeout, self.aof)
+
+
 class StoreConfig(_Strict):
     """Where idempotency records live."""
 
@@ -192,11 +226,38 @@ class StoreConfig(_Strict):
     sealing_key_env: str | None = None
     """The environment variable holding the key that seals the credentials of async
     jobs' stored requests (else ``auth.token_cache_key_env``'s key does)."""
+    durability: DurabilityConfig | None = None
+    """None: a write counts once the store (the Redis primary) has it."""
 
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
         return check_store_url(url)
+
+    @field_validator("durability")
+    @classmethod
+    def _redis_only(
+        cls, durability: DurabilityConfig | None, info: ValidationInfo
+    ) -> DurabilityConfig | None:
+        url = info.data.get("url")
+        if durability is None or url is None:  # an invalid url is reported on its own
+            return durability
+        scheme = url.partition("://")[0]
+        if scheme.partition("+")[0] in ("redis", "rediss"):
+            return durability
+        if scheme in ("postgresql", "postgres"):
+            raise ValueError(
+                "not for PostgreSQL: its own synchronous_commit and "
+                "synchronous_standby_names confirm a commit on standbys (docs/operations.md)"
+            )
+        raise ValueError(
+            f"only for Redis stores (redis://, rediss://, redis+cluster://, "
+            f"redis+sentinel://): {scheme}:// has no replicas to wait for"
+        )
+
+    def durable(self) -> Durability | None:
+        """The store's ``Durability`` (None: off)."""
+        return None if self.durability is None else self.durability.spec()
 
 
 class ServerConfig(_Strict):

@@ -186,10 +186,14 @@ def proxies(state_dir: Path) -> tuple[ProxyFactory, Callable[[], None]]:
     started: list[ThreadServer] = []
 
     def make(
-        *routes: dict[str, Any], store: str = "memory://", port: int | None = None, **top: Any
+        *routes: dict[str, Any],
+        store: str = "memory://",
+        port: int | None = None,
+        store_options: dict[str, Any] | None = None,
+        **top: Any,
     ) -> ThreadServer:
         top.setdefault("state_dir", str(state_dir))
-        stored = {"url": store, "sealing_key_env": SEALING_ENV}
+        stored = {"url": store, "sealing_key_env": SEALING_ENV, **(store_options or {})}
         config = parse_config({"store": stored, "routes": list(routes), **top}, env={})
         server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
         started.append(server)

@@ -87,7 +87,8 @@ class ThreadServer:
 class CountingTool:
     """An upstream that counts how often each request was executed.
 
-    Query parameters shape the answer: ``delay`` (seconds), ``status``, ``size`` (a
+    Query parameters shape the answer: ``delay`` (seconds), ``gated`` (wait for
+    ``gate``), ``status``, ``size`` (a
     streamed body of that many bytes, ``chunk_delay`` seconds between 64 KiB chunks),
     ``cookie`` (adds Set-Cookie), ``retry_after`` (adds Retry-After), ``cache_control``
     and ``vary`` (add Cache-Control and Vary), ``usage`` (adds
@@ -106,6 +107,9 @@ class CountingTool:
         self.most_in_flight = 0
         self.before: Callable[[], None] | None = None
         """Called as each request arrives (e.g. to inject a fault while the tool works)."""
+        self.gate = threading.Event()
+        """Requests with ``?gated=1`` wait for it (after they are counted as arrived)."""
+        self.gate.set()
         self.app = Starlette(
             routes=[
                 Route(
@@ -135,6 +139,8 @@ class CountingTool:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
+            if "gated" in query:
+                await asyncio.to_thread(self.gate.wait, 30)
             await asyncio.sleep(float(query.get("delay", 0)))
         finally:
             self.in_flight -= 1
@@ -224,9 +230,20 @@ class RedisServer:
     write is in an append-only file there (fsync'd each time), so a server killed and
     started again keeps its data."""
 
-    def __init__(self, port: int | None = None, aof_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        aof_dir: Path | None = None,
+        directory: Path | None = None,
+        options: tuple[str, ...] = (),
+    ) -> None:
         self.port = port or free_port()
         self.aof_dir = aof_dir
+        self.directory = directory
+        """Its working directory (a replica writes the primary's snapshot there, and any
+        server started in it would load it): give each replica one of its own."""
+        self.options = options
+        """More command-line options (``--name value`` pairs)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -248,6 +265,7 @@ class RedisServer:
                 *self._persistence(),
                 "--protected-mode",
                 "no",
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -257,7 +275,8 @@ class RedisServer:
 
     def _persistence(self) -> list[str]:
         if self.aof_dir is None:
-            return ["--appendonly", "no"]
+            here = [] if self.directory is None else ["--dir", str(self.directory)]
+            return ["--appendonly", "no", *here]
         return ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.aof_dir)]
 
     def kill(self) -> None:
@@ -485,10 +504,17 @@ class Relay:
     def mend(self) -> None:
         self._call(self._set_cut(False))
 
+    def retarget(self, port: int) -> None:
+        """Every connection dropped; new ones go to ``port`` (a promoted replica)."""
+        self.cut()
+        self.target_port = port
+        self.mend()
+
     def stop(self) -> None:
         self._call(self._close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        self.loop.close()
 
     def _call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
@@ -507,6 +533,10 @@ class Relay:
         await self._set_cut(True)
         if self._server is not None:
             self._server.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:  # the connections' pipes: the loop is closed after this
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._cut:
@@ -539,6 +569,109 @@ def replica_synced(primary: int) -> bool:
     info = dict(line.split(":", 1) for line in done.stdout.splitlines() if ":" in line)
     replica = info.get("slave0", "")
     return "state=online" in replica and f"offset={info['master_repl_offset'].strip()}," in replica
+
+
+# A replica's full sync at once (not after the default 5 s wait for more replicas).
+PROMPT_SYNC = ("--repl-diskless-sync-delay", "0")
+
+
+def _made(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+class ReplicatedRedis:
+    """A primary and its replica (real redis-servers), the replication link through a
+    ``Relay`` (``lag``: replication stopped, ``catch_up``), and clients through another
+    (``url``), so that a test can kill the primary and ``promote`` the replica: it is made
+    a primary, given a new replica of its own, and the clients' relay sent to it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.primary, self.replica, self.spare = (
+            RedisServer(directory=_made(directory / name), options=PROMPT_SYNC)
+            for name in ("a", "b", "c")
+        )
+        self.link: Relay | None = None
+        self.front: Relay | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.front is not None
+        return self.front.url()
+
+    def start(self) -> ReplicatedRedis:
+        try:
+            self.primary.start()
+            self.replica.start()
+            self.link = Relay(self.primary.port).start()
+            self.front = Relay(self.primary.port).start()
+            self._replicate(self.replica, self.link.port)
+            wait_for(self.synced, what="replica in sync")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+        )
+        return done.stdout.strip()
+
+    def _replicate(self, server: RedisServer, port: int) -> None:
+        assert self.cli(server.port, "REPLICAOF", "127.0.0.1", str(port)) == "OK"
+
+    def synced(self) -> bool:
+        """The replica is online, has every write of the primary and acknowledges new ones
+        (right after a full sync, "online" comes before the stream flows)."""
+        return replica_synced(self.primary.port) and replica_acknowledges(self.primary.port)
+
+    def lag(self) -> None:
+        """Replication stopped (the primary sees no replica): writes stay on the primary."""
+        assert self.link is not None
+        self.link.cut()
+
+    def catch_up(self) -> None:
+        assert self.link is not None
+        self.link.mend()
+        wait_for(self.synced, what="replica in sync")
+
+    def promote(self) -> None:
+        """The replica made the primary (the old one should be dead), with a replica of its
+        own in sync, and the clients' relay pointed at it."""
+        assert self.front is not None
+        assert self.cli(self.replica.port, "REPLICAOF", "NO", "ONE") == "OK"
+        self.primary, self.replica = self.replica, self.spare
+        self.replica.start()
+        self._replicate(self.replica, self.primary.port)
+        wait_for(self.synced, what="new replica in sync")
+        self.front.retarget(self.primary.port)
+
+    def keys(self, port: int, pattern: str = "*") -> list[str]:
+        return [k for k in self.cli(port, "--scan", "--pattern", pattern).splitlines() if k]
+
+    def stop(self) -> None:
+        for relay in (self.front, self.link):
+            if relay is not None:
+                relay.stop()
+        for server in (self.primary, self.replica, self.spare):
+            if server.process is not None:
+                server.kill()
+
+
+def replica_acknowledges(primary: int) -> bool:
+    """A write on the Redis primary on ``primary``, then ``WAIT 1`` on the same connection,
+    answers 1: a replica has it (right after a full sync, a replica shows "online" before
+    the stream reaches it)."""
+    with socket.create_connection(("127.0.0.1", primary), timeout=5) as sock:
+        sock.sendall(b"SET probe 1\r\nWAIT 1 100\r\n")
+        reply = b""
+        while reply.count(b"\r\n") < 2:
+            chunk = sock.recv(64)
+            if not chunk:
+                return False
+            reply += chunk
+    return reply == b"+OK\r\n:1\r\n"
 
 
 def free_bus_port() -> int:
@@ -639,8 +772,8 @@ class RedisSentinels:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.primary = RedisServer()
-        self.replica = RedisServer()
+        self.primary = RedisServer(directory=_made(directory / "primary"))
+        self.replica = RedisServer(directory=_made(directory / "replica"))
         self.ports = [free_port() for _ in range(3)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
 

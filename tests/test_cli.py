@@ -110,6 +110,15 @@ def test_check_config_lists_every_problem(tmp_path: Path) -> None:
         assert expected in result.stderr
 
 
+def test_check_config_names_durability_on_a_store_without_replicas(tmp_path: Path) -> None:
+    config = {**GOOD, "store": {"url": "memory://", "durability": {"replicas": 1}}}
+    result = cli("check-config", write(tmp_path, config))
+    assert result.returncode == 2
+    assert "store.durability: only for Redis stores" in result.stderr
+    redis = {"url": "redis+sentinel://s:26379/m", "durability": {"replicas": 1}}
+    assert cli("check-config", write(tmp_path, {**GOOD, "store": redis})).returncode == 0
+
+
 def test_check_config_on_unreadable_or_broken_files(tmp_path: Path) -> None:
     missing = cli("check-config", str(tmp_path / "absent.yaml"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from proxy.config import parse_config
+from proxy.errors import ConfigError
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "tool-proxy"
 SCENARIOS = {p.name.removesuffix("-values.yaml"): p for p in sorted(CHART.glob("ci/*-values.yaml"))}
@@ -27,6 +28,14 @@ NAMESPACE = "tools"
 WARNING = 2
 
 Manifest = dict[str, Any]
+# The store URLs the scenarios' Secrets would hold (as their comments say): the proxy reads
+# the rendered config.yaml with one of them in TOOL_PROXY_STORE_URL.
+SECRET_URLS = {
+    "redis-external": "redis://:secret@redis.db.svc:6379/0",
+    "redis-sentinel": "redis+sentinel://sentinel-0.redis:26379,sentinel-1.redis:26379/tool-proxy",
+    "redis-cluster": "redis+cluster://redis-cluster-0.redis:6379,redis-cluster-1.redis:6379",
+    "postgresql": "postgresql://tool_proxy@postgres.db.svc:5432/tool_proxy?pool_max=10",
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +99,10 @@ def render_error(chart: helm.Chart, values: dict[str, Any]) -> str:
 
 
 def test_every_scenario_of_the_issue_has_a_values_file() -> None:
-    assert set(SCENARIOS) == {"standalone", "sidecar", "redis-external", "hpa"}
+    assert set(SCENARIOS) == {
+        *("standalone", "sidecar", "redis-external", "hpa"),
+        *("redis-sentinel", "redis-cluster", "postgresql"),
+    }
 
 
 @pytest.mark.parametrize("name", ["default", *SCENARIOS])
@@ -120,7 +132,8 @@ def test_scenario_renders_a_config_the_proxy_accepts(chart: helm.Chart, name: st
         assert doc["apiVersion"] and doc["metadata"]["name"]
         assert doc["metadata"]["namespace"] == NAMESPACE
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
-    config = parse_config(yaml.safe_load(config_text(docs)), env={})
+    env = {"TOOL_PROXY_STORE_URL": SECRET_URLS[name]} if name in SECRET_URLS else {}
+    config = parse_config(yaml.safe_load(config_text(docs)), env=env)
     assert [r.name for r in config.routes] == [r["name"] for r in values["config"]["routes"]]
 
 
@@ -353,6 +366,79 @@ def test_values_that_cannot_work_fail_with_a_message(
     chart: helm.Chart, values: dict[str, Any], message: str
 ) -> None:
     assert message in render_error(chart, values)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"store": {"type": "postgresql"}},
+            "store.type=postgresql: set store.postgresql.existingSecret",
+        ),
+        (
+            {"store": {"durability": {"replicas": 1}}},
+            "store.durability: only for store.type=redis (WAIT for Redis replicas), not sqlite",
+        ),
+        (
+            {
+                "store": {
+                    "type": "postgresql",
+                    "postgresql": {"existingSecret": "pg"},
+                    "durability": {"replicas": 1},
+                }
+            },
+            "not postgresql; PostgreSQL has synchronous_commit and synchronous_standby_names",
+        ),
+        (
+            {
+                "store": {"type": "redis", "durability": {"replicas": 1}},
+                "redis": {"enabled": True},
+            },
+            "store.durability: the in-chart Redis has no replicas to wait for",
+        ),
+        ({"store": {"type": "mysql"}}, "is not one of sqlite, redis, postgresql, memory"),
+    ],
+)
+def test_stores_that_cannot_work_fail_with_a_message(
+    chart: helm.Chart, values: dict[str, Any], message: str
+) -> None:
+    assert message in render_error(chart, values)
+
+
+@pytest.mark.parametrize("name", ["redis-sentinel", "redis-cluster"])
+def test_redis_with_replicas_waits_for_them(chart: helm.Chart, name: str) -> None:
+    values = scenario(name)
+    docs = render(chart, values)
+    proxy = container(proxy_deployment(docs)["spec"]["template"]["spec"])
+    secret = values["store"]["redis"]["existingSecret"]
+    assert env(proxy)["TOOL_PROXY_STORE_URL"] == {"secretKeyRef": {"name": secret, "key": "url"}}
+    rendered = yaml.safe_load(config_text(docs))
+    assert rendered["store"] == {"durability": values["store"]["durability"]}
+    env_ = {"TOOL_PROXY_STORE_URL": SECRET_URLS[name]}
+    durability = parse_config(rendered, env=env_).store.durable()
+    assert durability is not None and durability.replicas == 1
+    # the same file without a Redis URL: refused, naming the field
+    with pytest.raises(ConfigError, match=r"store\.durability: only for Redis stores"):
+        parse_config(rendered, env={})
+
+
+def test_postgresql_takes_the_url_from_its_secret_and_rolls_without_downtime(
+    chart: helm.Chart,
+) -> None:
+    docs = render(chart, scenario("postgresql"))
+    deployment = proxy_deployment(docs)
+    proxy = container(deployment["spec"]["template"]["spec"])
+    assert env(proxy)["TOOL_PROXY_STORE_URL"] == {
+        "secretKeyRef": {"name": "tool-proxy-postgres", "key": "url"}
+    }
+    assert env(proxy)["PGPASSWORD"] == {
+        "secretKeyRef": {"name": "tool-proxy-postgres", "key": "password"}
+    }
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert "store" not in yaml.safe_load(config_text(docs))
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    assert mounts["tool-proxy-state"] == "/var/lib/tool-proxy"  # the journal
 
 
 def test_redis_external_takes_the_url_from_the_secret(chart: helm.Chart) -> None:

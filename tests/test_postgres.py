@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import psycopg_pool
 import pytest
+import yaml
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
@@ -31,7 +35,7 @@ from proxy.store.postgres import (
 from proxy.store.queue import Job
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.postgres_server import PgBouncer, PostgresServer
-from tests.servers import CountingTool, free_port
+from tests.servers import ROOT, CountingTool, free_port
 
 pytestmark = pytest.mark.anyio
 BODY = {"op": "charge"}
@@ -149,6 +153,60 @@ async def test_a_newer_schema_is_refused_at_start_up(
         await store.close()
         with postgres_server.admin(postgres_database) as conn:
             conn.execute("DELETE FROM tool_proxy.schema_version WHERE version = 999")
+
+
+def _migrate(tmp_path: Path, url: str) -> subprocess.CompletedProcess[str]:
+    """``tool-proxy migrate`` on a configuration naming ``url``, as a process."""
+    config = tmp_path / "migrate.yaml"
+    routes = [{"name": "t", "path_prefix": "/t", "upstream": "http://127.0.0.1:9"}]
+    config.write_text(yaml.safe_dump({"store": {"url": url}, "routes": routes}))
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "migrate", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+
+
+async def test_migrate_applies_the_schema_once_and_then_finds_it_done(
+    postgres_server: PostgresServer, tmp_path: Path
+) -> None:
+    dbname = postgres_server.create_database()
+    url = f"{postgres_server.url(dbname)}?schema=migrated"
+    latest = MIGRATIONS[-1][0]
+    try:
+        first = await asyncio.to_thread(_migrate, tmp_path, url)
+        assert first.returncode == 0, first.stderr
+        assert (
+            first.stdout == f"ok: schema migrated at version {latest} (migrated from version 0)\n"
+        )
+        again = await asyncio.to_thread(_migrate, tmp_path, url)
+        assert again.stdout == f"ok: schema migrated at version {latest} (already up to date)\n"
+        with postgres_server.admin(dbname) as conn:
+            rows = conn.execute("SELECT version FROM migrated.schema_version").fetchall()
+        assert rows == [(latest,)]
+        store = PostgresStore(url)  # a replica starting on it finds nothing to do
+        await store.open()
+        try:
+            assert (await store.claim(KEY, "fp", "a", 5, 60)).claimed
+        finally:
+            await store.close()
+    finally:
+        postgres_server.drop_database(dbname)
+
+
+async def test_migrate_says_why_it_cannot(tmp_path: Path) -> None:
+    down = f"postgresql://postgres@127.0.0.1:{free_port()}/nothing?connect_timeout=1"
+    failed = await asyncio.to_thread(_migrate, tmp_path, down)
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("error: ") and "Traceback" not in failed.stderr
+    other = await asyncio.to_thread(_migrate, tmp_path, "sqlite:///tmp/x.db")
+    assert other.returncode == 2
+    assert "store.url: migrate applies the PostgreSQL schema; sqlite:///tmp/x.db has none" in (
+        other.stderr
+    )
 
 
 async def test_a_schema_of_its_own_keeps_stores_apart(postgres_url: str) -> None:

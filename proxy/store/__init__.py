@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.store.base import Claim, Record, RecordKey, State, Store
+from proxy.store.base import Claim, Durability, Record, RecordKey, State, Store
 from proxy.store.buckets import Buckets
 from proxy.store.locks import Locks
 from proxy.store.queue import Job, JobState, Queue
@@ -14,6 +14,7 @@ from proxy.store.queue import Job, JobState, Queue
 __all__ = [
     "Buckets",
     "Claim",
+    "Durability",
     "Job",
     "JobState",
     "Locks",
@@ -29,9 +30,12 @@ __all__ = [
 ]
 
 
-def make_store(url: str) -> Store:
-    """The store a URL names (not yet opened: call ``await store.open()``)."""
+def make_store(url: str, durability: Durability | None = None) -> Store:
+    """The store a URL names (not yet opened: call ``await store.open()``); ``durability``
+    (``store.durability``) only for Redis, whose replicas confirm each write by ``WAIT``."""
     scheme = url.split("://", 1)[0]
+    if durability is not None and scheme.partition("+")[0] not in ("redis", "rediss"):
+        raise ValueError(f"store.durability: only for Redis stores, not {scheme}://")
     if scheme == "memory":
         from proxy.store.memory import MemoryStore
 
@@ -43,7 +47,7 @@ def make_store(url: str) -> Store:
     if scheme.partition("+")[0] in ("redis", "rediss"):
         from proxy.store.redis import RedisStore
 
-        return RedisStore(url)
+        return RedisStore(url, durability)
     if scheme in ("postgresql", "postgres"):
         from proxy.store.postgres import PostgresStore
 

@@ -101,6 +101,34 @@ class Claim:
         return self.record is None
 
 
+@dataclass(frozen=True, slots=True)
+class Durability:
+    """``store.durability``: a claim or an outcome counts as written only once
+    ``replicas`` replicas have it (Redis ``WAIT``; with ``aof``, ``WAITAOF``: in the
+    primary's append-only file and in theirs), within ``timeout`` seconds; else the store
+    raises ``StoreUnavailable`` (a claim is released and not sent, an outcome journaled)."""
+
+    replicas: int
+    timeout: float
+    aof: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("durability: replicas must be 1 or more")
+        if not self.timeout > 0:  # NaN too
+            raise ValueError("durability: timeout must be positive")
+
+    @property
+    def timeout_ms(self) -> int:
+        return max(int(self.timeout * 1000), 1)
+
+    def describe(self) -> str:
+        """``1 replica within 200ms`` (``, in their append-only files``)."""
+        replicas = f"{self.replicas} replica" + ("s" if self.replicas > 1 else "")
+        files = " (and in the append-only files)" if self.aof else ""
+        return f"{replicas}{files} within {self.timeout_ms}ms"
+
+
 class Store(Protocol):
     """An idempotency store. Every method is atomic; failures raise ``StoreUnavailable``,
     and a write the store answers but refuses (too large, out of memory, too few

@@ -401,6 +401,36 @@ class PostgresStore:
             self._pool = None
 
 
+async def apply_schema(url: str) -> tuple[int, int]:
+    """``tool-proxy migrate``: bring the URL's schema to this version now, over one
+    connection (the same transaction and advisory lock as a replica's start-up); the
+    version it was at (0: none) and the one it is at."""
+    try:
+        options = parse_postgres_url(url)
+    except ValueError as exc:
+        raise StoreUnavailable(f"postgres store URL: {exc}") from exc
+    with _translated():
+        async with asyncio.timeout(options.timeout * 2):
+            conn = await psycopg.AsyncConnection.connect(options.conninfo, autocommit=True)
+            async with conn:
+                before = await _version(conn, options.schema)
+                return before, await migrate(conn, options.schema)
+
+
+async def _version(conn: psycopg.AsyncConnection[Row], schema: str) -> int:
+    """The version ``schema`` is at; 0 if it has none yet."""
+    cursor = await conn.execute(
+        "SELECT to_regclass(format('%%I.schema_version', %s::text)) IS NOT NULL", (schema,)
+    )
+    row = await cursor.fetchone()
+    if row is None or not row[0]:
+        return 0
+    query = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_version")
+    cursor = await conn.execute(query.format(sql.Identifier(schema)))
+    row = await cursor.fetchone()
+    return int(row[0]) if row is not None else 0
+
+
 async def migrate(conn: psycopg.AsyncConnection[Row], schema: str) -> int:
     """Bring ``schema`` to the latest version in one transaction, under an advisory lock
     (replicas that start together wait for each other); the version it is at."""

@@ -38,8 +38,10 @@ Every key a script touches is one of its KEYS (redis_scripts/), never built insi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import hiredis
@@ -53,7 +55,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
-from proxy.store.base import Claim, Record, RecordKey, State
+from proxy.store.base import Claim, Durability, Record, RecordKey, State
 from proxy.store.buckets import Admission, Entry, GroupState, Rate, RateState, Slots, group_state
 from proxy.store.locks import Grant, HeldLock, LocksHeld, Version, counter_start, locks_held
 from proxy.store.queue import Job, JobState, job_shard
@@ -138,6 +140,20 @@ def legacy_index_key(scope: str) -> str:
     return f"{KEY_PREFIX}{{{scope}}}:idx"
 
 
+@dataclass(frozen=True, slots=True)
+class Confirm:
+    """The command that confirms the writes sent before it on a connection (``WAIT`` or
+    ``WAITAOF``, ``store.durability``) and how long it may block Redis (seconds)."""
+
+    command: Command
+    seconds: float
+
+
+# A command to send, whether it is safe to send again (``resend``), and the confirmation
+# its caller waits for (None: none).
+Item = tuple[Command, bool, Confirm | None]
+
+
 class Coalescer:
     """One round trip to Redis at a time; commands issued meanwhile ride the next one.
 
@@ -150,12 +166,20 @@ class Coalescer:
     command (a task per write when socket_timeout is set, a timer per reply, Python
     packing), and this is the hot path of every guarded request.
 
+    A command sent with a ``Confirm`` (``store.durability``) is followed in its round
+    trip by one ``WAIT`` (or ``WAITAOF``) for the whole batch, after its last command: its
+    reply confirms every write before it on the connection, so the batch pays for one
+    wait for the replicas however many writes it carries. Such a caller gets its reply
+    and the ``WAIT``'s (or the error that kept it).
+
     A round trip that breaks or times out is tried again on a new connection, but only
     with what is safe to send twice: every command if none had been written yet, else
     only the commands still without a reply that their caller marked ``resend`` (reads,
     and writes that find their own token or owner applied and answer as the first time).
     A command that may have run and is not safe to run again (a rate take, a true-up, a
-    compare-and-set whose answer would change) fails with the connection's error.
+    compare-and-set whose answer would change) fails with the connection's error. A
+    ``WAIT`` is never sent again on its own (on a new connection it would confirm
+    nothing): its callers then get the error, their writes unconfirmed.
     """
 
     def __init__(self, pool: ConnectionPool) -> None:
@@ -163,43 +187,53 @@ class Coalescer:
         self._connection: AbstractConnection = pool.connection_class(**kwargs)
         self._timeout = float(pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT)
         self._busy = False
-        self._pending: list[tuple[Command, bool, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Item, asyncio.Future[Any]]] = []
         self._flushing: set[asyncio.Task[None]] = set()
 
-    async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
+    async def call(
+        self,
+        *command: Any,
+        resend: bool = False,
+        key: str | None = None,
+        confirm: Confirm | None = None,
+    ) -> Any:
         """Send ``command`` (now, or with the next batch) and return its reply;
         ``resend``: safe to send again if its reply is lost (see the class). ``key``
-        routes a command in a cluster (``ClusterCoalescer``); one node holds them all."""
-        if self._busy:
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._pending.append((command, resend, future))
-            return await future
-        self._busy = True
-        try:
-            (reply,) = await self._round_trip([command], [resend])
-        finally:
-            self._next()
+        routes a command in a cluster (``ClusterCoalescer``); one node holds them all.
+        With ``confirm``: its reply and the confirmation's (see the class)."""
+        reply = await self._submit([(command, resend, confirm)])
         if isinstance(reply, Exception):
             raise reply
         return reply
 
-    async def call_asking(self, *command: Any, resend: bool = False) -> Any:
+    async def call_asking(
+        self, *command: Any, resend: bool = False, confirm: Confirm | None = None
+    ) -> Any:
         """``ASKING`` then ``command``, next to each other in one round trip (a Cluster's
         migration under way: ``ClusterCoalescer``)."""
-        loop = asyncio.get_running_loop()
-        if self._busy:
-            asking, future = loop.create_future(), loop.create_future()
-            asking.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._pending += [(("ASKING",), True, asking), (command, resend, future)]
-            return await future
-        self._busy = True
-        try:
-            _, reply = await self._round_trip([("ASKING",), command], [True, resend])
-        finally:
-            self._next()
+        reply = await self._submit([(("ASKING",), True, None), (command, resend, confirm)])
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    async def _submit(self, items: list[Item]) -> Any:
+        """Send ``items`` next to each other, now or with the next batch; the last one's
+        reply (an error reply or a connection's error returned, not raised)."""
+        if self._busy:
+            loop = asyncio.get_running_loop()
+            futures = [loop.create_future() for _ in items]
+            for future in futures[:-1]:  # the preamble's (ASKING) reply is not awaited
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._pending += zip(items, futures, strict=True)
+            try:
+                return await futures[-1]
+            except (RedisError, OSError) as exc:
+                return exc
+        self._busy = True
+        try:
+            return (await self._send(items))[-1]
+        finally:
+            self._next()
 
     def _next(self) -> None:
         if not self._pending:
@@ -210,18 +244,18 @@ class Coalescer:
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
-    async def _flush(self, batch: list[tuple[Command, bool, asyncio.Future[Any]]]) -> None:
+    async def _flush(self, batch: list[tuple[Item, asyncio.Future[Any]]]) -> None:
         try:
-            replies = await self._round_trip([c for c, _, _ in batch], [r for _, r, _ in batch])
+            replies = await self._send([item for item, _ in batch])
         except (RedisError, OSError) as exc:
             replies = [exc] * len(batch)
         except BaseException:  # cancelled (shutdown): nobody may wait forever
-            for _, _, future in batch:
+            for _, future in batch:
                 future.cancel()
             raise
         finally:
             self._next()
-        for (_, _, future), reply in zip(batch, replies, strict=True):
+        for (_, future), reply in zip(batch, replies, strict=True):
             if future.done():
                 continue
             if isinstance(reply, Exception):
@@ -229,18 +263,37 @@ class Coalescer:
             else:
                 future.set_result(reply)
 
-    async def _round_trip(self, commands: list[Command], resend: list[bool]) -> list[Any]:
+    async def _send(self, items: list[Item]) -> list[Any]:
+        """One round trip for ``items``, and one confirmation after them if any asks for
+        one: each confirmed item's reply becomes (its reply, the confirmation's)."""
+        commands = [command for command, _, _ in items]
+        resend = [again for _, again, _ in items]
+        confirm = next((c for _, _, c in items if c is not None), None)
+        if confirm is None:
+            return await self._round_trip(commands, resend)
+        replies = await self._round_trip([*commands, confirm.command], [*resend, False], confirm)
+        acks = replies.pop()
+        return [
+            reply if c is None or isinstance(reply, Exception) else (reply, acks)
+            for reply, (_, _, c) in zip(replies, items, strict=True)
+        ]
+
+    async def _round_trip(
+        self, commands: list[Command], resend: list[bool], confirm: Confirm | None = None
+    ) -> list[Any]:
         """Send ``commands`` and read their replies. An error reply, or the error that
         kept a command from its reply, is returned in its place, not raised.
 
         A broken or timed-out connection is dropped and what is safe to send again (see
-        the class) sent once more on a new one, up to ``RETRIES`` times.
+        the class) sent once more on a new one, up to ``RETRIES`` times. A ``confirm``
+        (the last command) extends the deadline by as long as it may block.
         """
         packed = [hiredis.pack_command(command) for command in commands]
         replies: list[Any] = [None] * len(commands)
         todo = list(range(len(commands)))
+        blocking = 0.0 if confirm is None else confirm.seconds
         for attempt in range(RETRIES + 1):
-            read, written, error = await self._attempt([packed[i] for i in todo])
+            read, written, error = await self._attempt([packed[i] for i in todo], blocking)
             for i, reply in zip(todo, read, strict=False):
                 replies[i] = reply
             if error is None:
@@ -255,15 +308,19 @@ class Coalescer:
                 break
         return replies
 
-    async def _attempt(self, packed: list[bytes]) -> tuple[list[Any], bool, RedisError | None]:
+    async def _attempt(
+        self, packed: list[bytes], blocking: float = 0.0
+    ) -> tuple[list[Any], bool, RedisError | None]:
         """One try: the replies read (in order, maybe not all), whether any byte may have
-        reached Redis, and the error that ended it early (the connection is dropped)."""
+        reached Redis, and the error that ended it early (the connection is dropped).
+        ``blocking``: how long a command of it may block Redis (a ``WAIT``)."""
         data = b"".join(packed)
         connection = self._connection
         read: list[Any] = []
         written = False
+        deadline = self._timeout + blocking + len(data) / BYTES_PER_SECOND
         try:
-            async with asyncio.timeout(self._timeout + len(data) / BYTES_PER_SECOND):
+            async with asyncio.timeout(deadline):
                 if not connection.is_connected:
                     await connection.connect()  # type: ignore[no-untyped-call]
                 written = True
@@ -306,8 +363,10 @@ class RedisStore:
 
     max_payload_bytes = MAX_PAYLOAD_BYTES
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, durability: Durability | None = None) -> None:
         self.url = url
+        self.durability = durability
+        self._confirm = None if durability is None else _confirmation(durability)
         scheme = url.partition("://")[0]
         self._redis: Redis | None = None
         self._coalescer: Coalescer | ClusterCoalescer | SentinelCoalescer
@@ -322,27 +381,45 @@ class RedisStore:
         self._queue: RedisQueue | None = None
 
     async def _script(
-        self, script: Script, keys: list[str], *args: Any, resend: bool | None = None
+        self,
+        script: Script,
+        keys: list[str],
+        *args: Any,
+        resend: bool | None = None,
+        confirm: Confirm | None = None,
     ) -> Any:
         """Run a script; ``resend`` (by default: whether it is in ``RESENDABLE``) lets the
-        coalescer send it again when its reply is lost."""
+        coalescer send it again when its reply is lost; ``confirm``: followed by it in
+        the round trip (its reply and the confirmation's: ``Coalescer``)."""
         if script.keys is not None and len(keys) != script.keys:
             raise TypeError(f"redis script {script.name} takes {script.keys} keys, not {len(keys)}")
         again = script.name in RESENDABLE if resend is None else resend
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         key = keys[0] if keys else None
+        call = self._coalescer.call
         try:
             try:
-                return await self._coalescer.call(*command, resend=again, key=key)
+                return await call(*command, resend=again, key=key, confirm=confirm)
             except NoScriptError:  # a restarted or flushed Redis: load the script, once
-                await self._coalescer.call("SCRIPT", "LOAD", script.source, resend=True, key=key)
-                return await self._coalescer.call(*command, resend=again, key=key)
+                await call("SCRIPT", "LOAD", script.source, resend=True, key=key)
+                return await call(*command, resend=again, key=key, confirm=confirm)
         except ResponseError as exc:
             raise _translated(exc) from exc
         except RedisError as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise StoreUnavailable(f"redis store: {exc}") from exc
+
+    async def _durable(
+        self, script: Script, keys: list[str], *args: Any, resend: bool | None = None
+    ) -> tuple[Any, str | None]:
+        """Run a script that writes what ``store.durability`` must confirm: its reply, and
+        None once confirmed (or without durability), else why it is not."""
+        if self._confirm is None:
+            return await self._script(script, keys, *args, resend=resend), None
+        reply, acks = await self._script(script, keys, *args, resend=resend, confirm=self._confirm)
+        assert self.durability is not None
+        return reply, shortfall(self.durability, acks)
 
     async def claim(
         self,
@@ -357,16 +434,32 @@ class RedisStore:
         record, slot, index, member = _names(key)
         keys = [record, slot, index]
         args = (key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl))
-        reply = await self._script(_CLAIM, keys, *args, int(reexecute_lapsed), member)
+        reply, unconfirmed = await self._durable(_CLAIM, keys, *args, int(reexecute_lapsed), member)
         if reply[0] == 1:
+            if unconfirmed is not None:
+                await self._unclaim(key, owner)
+                raise StoreUnavailable(
+                    f"redis store: the claim was not confirmed ({unconfirmed}); released, not sent"
+                )
             previous = reply[1].decode() if reply[1] else ""
             return Claim(None, previous if previous and previous != key.name else None)
         return Claim(_record(keys[0], reply[1:], key))
 
+    async def _unclaim(self, key: RecordKey, owner: str) -> None:
+        """Release a claim that was not confirmed (it was not sent), if Redis answers: if
+        the release is lost and the claim not, it lapses (FAILED: never executed twice)."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.release(key, owner)
+
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
+        """Confirmed with ``store.durability``: a lease the replicas do not know renewed
+        could lapse on a promoted one while its call is still sent."""
         record, _, index, member = _names(key)
         args = (owner, _ms(lock_ttl), _ms(result_ttl), member)
-        return bool(await self._script(_RENEW, [record, index], *args))
+        held, unconfirmed = await self._durable(_RENEW, [record, index], *args)
+        if held and unconfirmed is not None:
+            raise StoreUnavailable(f"redis store: the renewal was not confirmed ({unconfirmed})")
+        return bool(held)
 
     async def complete(
         self,
@@ -386,7 +479,10 @@ class RedisStore:
         fenced = successor or owner
         args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace, fenced)
         # sent again, a complete that must not replace an outcome would find its own
-        return bool(await self._script(_COMPLETE, keys, *args, resend=replace_outcome))
+        done, unconfirmed = await self._durable(_COMPLETE, keys, *args, resend=replace_outcome)
+        if done and unconfirmed is not None:  # written again from the journal
+            raise StoreUnavailable(f"redis store: the outcome was not confirmed ({unconfirmed})")
+        return bool(done)
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         record, _, index, member = _names(key)
@@ -571,6 +667,33 @@ class RedisStore:
         if self._queue is None:
             self._queue = RedisQueue(self)
         return self._queue
+
+
+def _confirmation(durability: Durability) -> Confirm:
+    """``WAIT <replicas> <ms>``, or with ``aof`` ``WAITAOF 1 <replicas> <ms>`` (Redis 7.2:
+    the write in the primary's append-only file and in as many replicas')."""
+    ms = durability.timeout_ms
+    if durability.aof:
+        return Confirm(("WAITAOF", 1, durability.replicas, ms), durability.timeout)
+    return Confirm(("WAIT", durability.replicas, ms), durability.timeout)
+
+
+def shortfall(durability: Durability, acks: Any) -> str | None:
+    """None if a ``WAIT`` (``WAITAOF``) reply confirms ``durability``, else why not."""
+    wanted = durability.describe()
+    if isinstance(acks, Exception):
+        if "unknown command" in str(acks):
+            return f"{wanted}: this Redis has no WAITAOF (store.durability.aof needs 7.2)"
+        return f"{wanted}: {type(acks).__name__}: {acks}"
+    try:
+        local, replicas = (int(acks[0]), int(acks[1])) if durability.aof else (1, int(acks))
+    except (ValueError, TypeError, IndexError, KeyError):
+        return f"{wanted}: malformed reply {acks!r}"
+    if local < 1:
+        return f"{wanted}: not yet in the primary's append-only file"
+    if replicas < durability.replicas:
+        return f"{wanted}: {replicas} had it"
+    return None
 
 
 def _translated(exc: ResponseError) -> StoreUnavailable:

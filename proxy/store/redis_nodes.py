@@ -138,9 +138,12 @@ class ClusterCoalescer:
             raise ClusterDownError(f"CLUSTERDOWN hash slot {slot} is not served")
         return owner
 
-    async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
+    async def call(
+        self, *command: Any, resend: bool = False, key: str | None = None, confirm: Any = None
+    ) -> Any:
         """Send ``command`` to the primary of ``key``'s slot (any primary without a key),
-        following redirections; ``resend`` as for ``Coalescer.call``."""
+        following redirections; ``resend`` and ``confirm`` (a ``WAIT`` on that primary)
+        as for ``Coalescer.call``."""
         slot = key_slot(key.encode()) if key is not None else None
         asking: Address | None = None
         last: RedisError = ClusterDownError("CLUSTERDOWN too many redirections")
@@ -149,7 +152,7 @@ class ClusterCoalescer:
                 await self._owner(slot) if slot is not None else (await self.primaries())[0]
             )
             try:
-                return await self._at(address, command, resend, asking is not None)
+                return await self._at(address, command, resend, asking is not None, confirm)
             except MovedError as exc:
                 self._slots[exc.slot_id] = exc.node_addr
                 self._refresh_soon()
@@ -173,24 +176,22 @@ class ClusterCoalescer:
         return await self._at(address, command, resend, False)
 
     async def _at(
-        self, address: Address, command: tuple[Any, ...], resend: bool, asking: bool
+        self,
+        address: Address,
+        command: tuple[Any, ...],
+        resend: bool,
+        asking: bool,
+        confirm: Any = None,
     ) -> Any:
         node = self.node(address)
+        send = node.call_asking if asking else node.call
         try:
-            return await (
-                node.call_asking(*command, resend=resend)
-                if asking
-                else node.call(*command, resend=resend)
-            )
+            return await send(*command, resend=resend, confirm=confirm)
         except NoScriptError:
             if command[0] != "EVALSHA":
                 raise
             await node.call("SCRIPT", "LOAD", _SOURCES[command[1]], resend=True)
-            return await (
-                node.call_asking(*command, resend=resend)
-                if asking
-                else node.call(*command, resend=resend)
-            )
+            return await send(*command, resend=resend, confirm=confirm)
 
     async def ping(self) -> None:
         for address in await self.primaries():
@@ -275,14 +276,17 @@ class SentinelCoalescer:
             self._former.append(primary)
             await primary.close()
 
-    async def call(self, *command: Any, resend: bool = False, key: str | None = None) -> Any:
+    async def call(
+        self, *command: Any, resend: bool = False, key: str | None = None, confirm: Any = None
+    ) -> Any:
         """Send ``command`` to the primary; ``READONLY`` (it was demoted) is sent again to
         the one found next (it did not run); a broken connection fails the command, as on
-        one Redis, and the next one finds the primary again."""
+        one Redis, and the next one finds the primary again. ``confirm`` as for
+        ``Coalescer.call``."""
         for _ in range(2):
             primary = self._primary or await self._find()
             try:
-                return await primary.call(*command, resend=resend)
+                return await primary.call(*command, resend=resend, confirm=confirm)
             except ReadOnlyError:
                 await self._forget(primary)
             except (RedisConnectionError, TimeoutError, OSError):

@@ -71,7 +71,15 @@ passes it in TOOL_PROXY_STORE_URL (see tool-proxy.env), from store.* in the valu
 */}}
 {{- define "tool-proxy.configYaml" -}}
 {{- $config := deepCopy (.Values.config | default dict) -}}
+{{- with .Values.store.durability }}
+{{- $_ := set $config "store" (dict "durability" .) -}}
+{{- end }}
 {{- toYaml $config }}
+{{- end }}
+
+{{/* Whether the store is shared by every pod (Redis, PostgreSQL), not kept inside one. */}}
+{{- define "tool-proxy.sharedStore" -}}
+{{- if has .Values.store.type (list "redis" "postgresql") }}true{{ end -}}
 {{- end }}
 
 {{/* The sha256 of config.yaml: a pod annotation, so a change of routes rolls the pods. */}}
@@ -153,12 +161,21 @@ that renders a resource, and by templates/validate.yaml.
 {{- if not (has .Values.mode (list "standalone" "sidecar")) -}}
 {{- fail (printf "mode: %q is not one of standalone, sidecar" .Values.mode) -}}
 {{- end -}}
-{{- if not (has .Values.store.type (list "sqlite" "redis" "memory")) -}}
-{{- fail (printf "store.type: %q is not one of sqlite, redis, memory" .Values.store.type) -}}
+{{- if not (has .Values.store.type (list "sqlite" "redis" "postgresql" "memory")) -}}
+{{- fail (printf "store.type: %q is not one of sqlite, redis, postgresql, memory" .Values.store.type) -}}
 {{- end -}}
 {{- $pods := include "tool-proxy.maxPods" . | int -}}
-{{- if and (ne .Values.store.type "redis") (gt $pods 1) -}}
-{{- fail (printf "store.type=%s keeps state inside one pod, but up to %d pods would run the proxy (replicaCount or autoscaling.maxReplicas): each would have its own records and a duplicate call could execute twice. Use store.type=redis with store.redis.existingSecret (or redis.enabled=true to try it out), or run one replica." .Values.store.type $pods) -}}
+{{- if and (not (include "tool-proxy.sharedStore" .)) (gt $pods 1) -}}
+{{- fail (printf "store.type=%s keeps state inside one pod, but up to %d pods would run the proxy (replicaCount or autoscaling.maxReplicas): each would have its own records and a duplicate call could execute twice. Use store.type=redis with store.redis.existingSecret (or redis.enabled=true to try it out), store.type=postgresql with store.postgresql.existingSecret, or run one replica." .Values.store.type $pods) -}}
+{{- end -}}
+{{- if and (eq .Values.store.type "postgresql") (not .Values.store.postgresql.existingSecret) -}}
+{{- fail "store.type=postgresql: set store.postgresql.existingSecret (a Secret holding the postgresql:// URL)" -}}
+{{- end -}}
+{{- if and .Values.store.durability (ne .Values.store.type "redis") -}}
+{{- fail (printf "store.durability: only for store.type=redis (WAIT for Redis replicas), not %s%s" .Values.store.type (ternary "; PostgreSQL has synchronous_commit and synchronous_standby_names" "" (eq .Values.store.type "postgresql"))) -}}
+{{- end -}}
+{{- if and .Values.store.durability .Values.redis.enabled -}}
+{{- fail "store.durability: the in-chart Redis has no replicas to wait for; use an external Redis with replicas (store.redis.existingSecret)" -}}
 {{- end -}}
 {{- if and (eq .Values.store.type "redis") (not .Values.store.redis.existingSecret) (not .Values.redis.enabled) -}}
 {{- fail "store.type=redis: set store.redis.existingSecret (a Secret holding the Redis URL) or redis.enabled=true (a single in-chart Redis for trying it out)" -}}
@@ -186,7 +203,7 @@ that renders a resource, and by templates/validate.yaml.
 {{- end -}}
 {{- end }}
 
-{{/* The store URL for the literal cases (the external Redis URL comes from its Secret). */}}
+{{/* The store URL for the literal cases (an external Redis's or PostgreSQL's comes from its Secret). */}}
 {{- define "tool-proxy.storeUrl" -}}
 {{- if eq .Values.store.type "sqlite" -}}
 sqlite://{{ .Values.store.sqlite.path }}

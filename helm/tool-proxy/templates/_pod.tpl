@@ -35,6 +35,11 @@ and so do the sidecar snippets (_sidecar.tpl) that users add to their own pod sp
         secretKeyRef:
           name: {{ .Values.store.redis.existingSecret }}
           key: {{ .Values.store.redis.existingSecretKey }}
+      {{- else if eq .Values.store.type "postgresql" }}
+      valueFrom:
+        secretKeyRef:
+          name: {{ .Values.store.postgresql.existingSecret }}
+          key: {{ .Values.store.postgresql.existingSecretKey }}
       {{- else }}
       value: {{ include "tool-proxy.storeUrl" . | quote }}
       {{- end }}
