@@ -2,9 +2,10 @@
 the same run (the machine is shared and noisy: only ratios measured side by side say
 something).
 
-    .venv/bin/python bench/traced.py [--pairs P] [--requests N] [--rounds R]
+    .venv/bin/python bench/traced.py [--pairs P] [--requests N] [--rounds R] [--ratio F]
 
 Tracing on is ``OTEL_TRACES_SAMPLER=always_on`` (every request sampled: the worst case),
+or with ``--ratio F`` ``traceidratio`` sampling that fraction of the requests,
 exported by the SDK's batch processor over OTLP/HTTP to a local receiver that takes and
 drops the payloads (in a process of its own: its CPU is not counted). The exporter's
 thread is in the proxy's process, so its CPU is counted. Prints, per scenario, each
@@ -62,7 +63,9 @@ def receiver() -> Iterator[str]:
         process.wait(10)
 
 
-def hot_path(requests: int, rounds: int, endpoint: str | None) -> dict[str, float]:
+def hot_path(
+    requests: int, rounds: int, endpoint: str | None, ratio: float | None = None
+) -> dict[str, float]:
     """One run of ``bench/hot_path.py`` in a process of its own; traced if ``endpoint``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     command = [sys.executable, str(HOT_PATH), "--json"]
@@ -71,7 +74,8 @@ def hot_path(requests: int, rounds: int, endpoint: str | None) -> dict[str, floa
         command.append("--traced")
         env |= {
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-            "OTEL_TRACES_SAMPLER": "always_on",
+            "OTEL_TRACES_SAMPLER": "always_on" if ratio is None else "traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": str(ratio or 1.0),
             "OTEL_BSP_MAX_QUEUE_SIZE": str(4 * requests),  # nothing dropped in a round
         }
     ran = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
@@ -84,12 +88,13 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ratio", type=float, help="traceidratio sampling of this fraction")
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {}
     with receiver() as endpoint:
         for _ in range(args.pairs):
             off = hot_path(args.requests, args.rounds, None)
-            on = hot_path(args.requests, args.rounds, endpoint)
+            on = hot_path(args.requests, args.rounds, endpoint, args.ratio)
             for scenario, value in off.items():
                 ratios.setdefault(scenario, []).append(on[scenario] / value)
             print(f"{time.strftime('%H:%M:%S')} off {off}\n         on  {on}", flush=True)
