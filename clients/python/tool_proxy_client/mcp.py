@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tool_proxy_client.answers import Waits
 from tool_proxy_client.errors import (
@@ -24,6 +24,8 @@ from tool_proxy_client.errors import (
     problem_error,
 )
 from tool_proxy_client.session import Step
+
+T = TypeVar("T")
 
 KEY_META = "idempotencyKey"
 """The ``params._meta`` member the proxy reads (the route's ``mcp.key_meta``)."""
@@ -106,12 +108,26 @@ async def call_tool(
     args = dict(arguments or {})
     sent = {**(meta or {}), key_meta: key or step.key(args)}
     record = RecordIdentity(sent[key_meta], "tools/call", name)
+    return await waiting(lambda: session.call_tool(name, args, meta=sent, **options), record, waits)
+
+
+async def waiting(
+    send: Callable[[], Awaitable[T]],
+    record: RecordIdentity,
+    waits: Waits,
+    problem_of: Callable[[Exception, RecordIdentity], ProxyProblem | None] | None = None,
+) -> T:
+    """``send()``, sent again while the proxy's refusal is one ``waits`` retries (an
+    in-progress call, a rate limit), within its bounds; any other refusal raised as its
+    :mod:`tool_proxy_client.errors` class. ``problem_of`` finds the proxy's problem in
+    an exception (default: :func:`problem_of_error`)."""
+    find = problem_of or problem_of_error
     started, attempt = time.monotonic(), 0
     while True:
         try:
-            return await session.call_tool(name, args, meta=sent, **options)
+            return await send()
         except Exception as exc:
-            problem = problem_of_error(exc, record)
+            problem = find(exc, record)
             if problem is None:
                 raise
             delay = _delay(problem, waits, attempt, time.monotonic() - started)

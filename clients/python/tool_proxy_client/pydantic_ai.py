@@ -21,14 +21,12 @@ Function tools that call HTTP tools take their step from :func:`run_step`:
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tool_proxy_client.answers import Waits
 from tool_proxy_client.errors import ProxyProblem, RecordIdentity
-from tool_proxy_client.mcp import KEY_META, _delay, problem_of_error
+from tool_proxy_client.mcp import KEY_META, problem_of_error, waiting
 from tool_proxy_client.session import PlanSession, Step, StepCounter
 
 PLAN_PREFIX = "pydantic-ai"
@@ -101,19 +99,10 @@ def key_tool_calls(
     ) -> Any:
         key = _step_of(steps, ctx).key(dict(tool_args or {}))
         record = RecordIdentity(key, "tools/call", name)
-        started, attempt = time.monotonic(), 0
-        while True:
-            try:
-                return await call_tool(name, tool_args, metadata={key_meta: key})
-            except Exception as exc:
-                problem = _problem(exc, record)
-                if problem is None:
-                    raise
-                delay = _delay(problem, waits, attempt, time.monotonic() - started)
-                if delay is None:
-                    raise problem from exc
-            await asyncio.sleep(delay)
-            attempt += 1
+        metadata = {key_meta: key}
+        return await waiting(
+            lambda: call_tool(name, tool_args, metadata=metadata), record, waits, _problem
+        )
 
     return process
 
