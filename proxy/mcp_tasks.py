@@ -47,22 +47,22 @@ from proxy.mcp import (
     Handled,
     McpView,
     ToolCall,
-    _body,
-    _code,
-    _content_type,
-    _error_response,
-    _event,
-    _final_response,
-    _framed,
-    _problem_message,
-    _wants_sse,
+    body_of,
+    content_type,
     error_reply,
+    error_response,
+    final_response,
+    framed,
     identify_call,
     parse,
+    problem_code,
+    problem_message,
     read_answer,
     refusal,
     render,
+    sse_event,
     tool_call,
+    wants_sse,
 )
 from proxy.records import iso
 from proxy.store import Job, JobState, RecordKey
@@ -207,8 +207,8 @@ class McpTasks:
         cancel, ``tools/call``): clients that check them before asking for a task ask."""
         upstream = await exchange.forward(body)
         raw = await upstream.read()
-        form = _content_type(upstream.headers)
-        answer = _final_response(raw, form) if upstream.status == 200 else None
+        form = content_type(upstream.headers)
+        answer = final_response(raw, form) if upstream.status == 200 else None
         kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
         if not isinstance(answer, types.JSONRPCResponse):
             headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
@@ -221,7 +221,7 @@ class McpTasks:
                 tasks.setdefault("cancel", {})
                 tasks.setdefault("requests", {}).setdefault("tools", {}).setdefault("call", {})
         payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
-        return _framed(payload, form == SSE, kept)
+        return framed(payload, form == SSE, kept)
 
     # -- tasks/* -------------------------------------------------------------------------
 
@@ -321,7 +321,7 @@ class McpTasks:
         response = await self.jobs.result(job, first=True)
         if response is None:
             return False
-        answer = _message(await _body(response))
+        answer = _message(await body_of(response))
         if isinstance(answer, types.JSONRPCError):
             return True
         return isinstance(answer, types.JSONRPCResponse) and answer.result.get("isError") is True
@@ -329,7 +329,7 @@ class McpTasks:
     def _reply(self, id: str | int, result: dict[str, Any], accept: str, session: str) -> Response:
         payload = json.dumps({"jsonrpc": "2.0", "id": id, "result": result}).encode()
         extra: RawHeaders = [(b"mcp-session-id", session.encode())] if session else []
-        return _framed(payload, _wants_sse(accept, False), extra)
+        return framed(payload, wants_sse(accept, False), extra)
 
     # -- following a job -----------------------------------------------------------------
 
@@ -346,7 +346,7 @@ class McpTasks:
         """The job's answer to request ``id`` once it ends: over SSE, the stream kept alive
         meanwhile, with the tool's progress; as JSON, once it ends (-32010 past
         ``FOLLOW_SECONDS``). ``related``: a ``tasks/result``'s task, named in its _meta."""
-        if not _wants_sse(accept, True):
+        if not wants_sse(accept, True):
             ended = await self._ended(job)
             return await self._final(ended, id, related, session)
         response = StreamingResponse(self._frames(job, key, id, retoken, related), 200)
@@ -374,7 +374,7 @@ class McpTasks:
                     if taken in done:
                         data = retoken(taken.result())
                         if data is not None:
-                            yield _event(data)
+                            yield sse_event(data)
                     else:
                         taken.cancel()
                     if not done:
@@ -382,7 +382,7 @@ class McpTasks:
             finally:  # the caller may leave: the job goes on
                 ended.cancel()
         final = await self._final(ended.result(), id, related, "")
-        yield _event(await _body(final))
+        yield sse_event(await body_of(final))
 
     async def _ended(self, job: Job) -> Job | None:
         if job.state.terminal:
@@ -404,10 +404,10 @@ class McpTasks:
             rendered = await render(recorded, id, JSON, session, replayed=False)
             if related is None:
                 return rendered
-            return _related(rendered, await _body(rendered), related)
+            return _related(rendered, await body_of(rendered), related)
         if job.error:
             problem = json.loads(job.error)
-            return _error_response(id, _code(problem), _problem_message(problem), problem)
+            return error_response(id, problem_code(problem), problem_message(problem), problem)
         if job.state is JobState.CANCELLED:
             detail = f"Task {job.id} was cancelled before it was sent: the tool was not called"
             return error_reply(id, types.INVALID_REQUEST, detail, status=200)
@@ -449,7 +449,7 @@ def _related(response: Response, body: bytes, task_id: str) -> Response:
     meta = result.setdefault("_meta", {})
     if isinstance(meta, dict):
         meta[RELATED_TASK] = {"taskId": task_id}
-    return _framed(json.dumps(answer).encode(), False, [])
+    return framed(json.dumps(answer).encode(), False, [])
 
 
 def _message(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
