@@ -37,7 +37,7 @@ import contextlib
 import hashlib
 import json
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -79,7 +79,7 @@ from proxy.keys import (
     parse_json,
     parse_opaque,
 )
-from proxy.mcp_tools import SharedTools
+from proxy.mcp_tools import MAX_TTL_SECONDS, MIN_TTL_SECONDS, TOOLS_TTL_SECONDS, SharedTools
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -339,7 +339,7 @@ class McpView:
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
             return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
-        if self.learns and _is_request(message, "tools/list"):  # learn the annotations
+        if (self.learns or self.tasks is not None) and _is_request(message, "tools/list"):
             return Handled(await self._listed(exchange, body), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
             return await self._unguarded(request, exchange, call, body)
@@ -364,15 +364,24 @@ class McpView:
         return self.guard is not None and note.method == "notifications/cancelled"
 
     async def _listed(self, exchange: Exchange, body: bytes) -> Response:
-        """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
+        """Forward a ``tools/list``: learn the annotations of the tools in its answer (when
+        ``learns``), and, on a route with the proxy's tasks, mark the guarded tools as
+        taking tasks (``execution.taskSupport: optional``)."""
         upstream = await exchange.forward(body)
         raw = await upstream.read()
-        if upstream.status == 200:
-            answer = final_response(raw, content_type(upstream.headers))
-            if isinstance(answer, types.JSONRPCResponse) and self._learn(answer.result):
-                await self._share()
-        headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
-        return Reply(upstream.status, headers, raw)
+        form = content_type(upstream.headers)
+        answer = final_response(raw, form) if upstream.status == 200 else None
+        if not isinstance(answer, types.JSONRPCResponse):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        if self.learns and self._learn(answer.result):
+            await self._share(listed_ttl(answer.result))
+        if self.tasks is None or not offer_tasks(answer.result, self.guards):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
+        payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+        return framed(payload, form == SSE, kept)
 
     def _learn(self, result: dict[str, Any]) -> bool:
         try:
@@ -384,11 +393,12 @@ class McpView:
                 self.hints[tool.name] = Hints.of(tool.annotations)
         return True
 
-    async def _share(self) -> None:
-        """Tell the other replicas (through the store) what this one learnt."""
+    async def _share(self, ttl: float) -> None:
+        """Tell the other replicas (through the store) what this one learnt, for ``ttl``
+        seconds."""
         if self.shared is not None:
             hints = {n: (h.read_only, h.idempotent) for n, h in self.hints.items()}
-            await self.shared.remember(hints)
+            await self.shared.remember(hints, ttl)
 
     def _known(self, shared: dict[str, tuple[bool, bool]]) -> None:
         """Learn what other replicas learnt, for the tools this one has not seen listed."""
@@ -447,6 +457,32 @@ class McpView:
             return await self.guard.run(op, forward, fence, lookup)
         except ProxyError as exc:
             return exc
+
+
+def listed_ttl(result: dict[str, Any]) -> float:
+    """How long a ``tools/list`` answer's annotations are shared: its ``ttlMs`` (2026-07-28),
+    within ``mcp_tools.MIN_TTL_SECONDS`` and ``MAX_TTL_SECONDS``; else ``TOOLS_TTL_SECONDS``."""
+    ttl_ms = result.get("ttlMs")
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int | float) or ttl_ms < 0:
+        return TOOLS_TTL_SECONDS
+    return min(max(ttl_ms / 1000, MIN_TTL_SECONDS), MAX_TTL_SECONDS)
+
+
+def offer_tasks(result: dict[str, Any], guards: Callable[[str], bool]) -> bool:
+    """Mark each guarded tool of a ``tools/list`` result ``execution.taskSupport:
+    optional`` (the proxy makes its tasks; a tool the server says ``required`` of is left
+    so); False if the result holds no tools to mark."""
+    tools = result.get("tools")
+    marked = False
+    for tool in tools if isinstance(tools, list) else ():
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if not isinstance(name, str) or not guards(name):
+            continue
+        execution = tool.setdefault("execution", {})
+        if isinstance(execution, dict) and execution.get("taskSupport") != "required":
+            execution["taskSupport"] = "optional"
+            marked = True
+    return marked
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import secrets
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -65,11 +68,12 @@ from proxy.mcp import (
     wants_sse,
 )
 from proxy.records import iso
-from proxy.store import Job, JobState, RecordKey
+from proxy.store import Job, JobState, RecordKey, Store
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 PROGRESS_TOKEN = "tool-proxy"
 """The progressToken of a job's call whose caller sent none (each follower gets its own)."""
+STATUS_NOTE = "notifications/tasks/status"
 PROBLEM_META = "io.github.tool-proxy/problem"
 """Where a failed task's status (``tasks/get``) carries the RFC 9457 document."""
 # An SSE comment sent on a followed call's stream (or a tasks/result) this often while
@@ -79,6 +83,12 @@ KEEP_ALIVE_SECONDS = 15.0
 FOLLOW_SECONDS = STREAM_SECONDS
 # Progress notifications held per follower that has not read them yet (then dropped).
 MAX_HELD_PROGRESS = 256
+# The largest progress notification shared with the followers on other replicas.
+MAX_SHARED_PROGRESS_BYTES = 16 * 1024
+# How often a replica with followers of a call run elsewhere reads the call's progress.
+PROGRESS_POLL_SECONDS = 0.5
+# How long a call's latest progress is kept in the store past its last one.
+PROGRESS_TTL_SECONDS = 600.0
 # Jobs looked at per tasks/list page (the page holds this caller's tasks among them).
 LIST_PAGE = 200
 _STATUS = {
@@ -93,12 +103,30 @@ _PROGRESS = b'"notifications/progress"'
 
 
 class Followers:
-    """The progress of calls that this process's workers run, for the callers that follow
-    them here (by the call's record key). Within one process: a job run by another
-    replica's worker is followed without its progress."""
+    """The progress of the calls the route's workers run, for the callers that follow them
+    (by the call's record key), on every replica.
 
-    def __init__(self) -> None:
+    Within this process, a worker's progress goes to its followers' queues as it arrives.
+    Across replicas, through the store: a worker keeps the latest progress notification of
+    its call (``progress_key``; at most one write in flight per call, the newest waiting
+    replacing the one before, ``MAX_SHARED_PROGRESS_BYTES`` at most), and a process with
+    followers of a call that none of its own workers runs reads it every
+    ``PROGRESS_POLL_SECONDS`` (one read per call, whatever the followers), handing a new
+    one to them. A follower on another replica may miss intermediate progress (it gets the
+    latest, the one before the end included), never the result."""
+
+    def __init__(self, store: Store | None = None, log: Any = None) -> None:
+        self.store = store
+        self.log = log
+        self.origin = secrets.token_hex(8)
+        """This process's mark on the progress it shares (its own is not read back)."""
         self._queues: dict[RecordKey, set[asyncio.Queue[bytes]]] = {}
+        self._running: Counter[RecordKey] = Counter()
+        """Calls this process's workers are running (their progress is here already)."""
+        self._numbered = 0
+        self._pending: dict[RecordKey, bytes] = {}
+        self._writers: dict[RecordKey, asyncio.Task[None]] = {}
+        self._pollers: dict[RecordKey, asyncio.Task[None]] = {}
 
     def publish(self, key: RecordKey, data: bytes) -> None:
         for queue in self._queues.get(key, ()):
@@ -106,9 +134,47 @@ class Followers:
                 queue.put_nowait(data)
 
     @contextlib.contextmanager
-    def follow(self, key: RecordKey) -> Iterator[asyncio.Queue[bytes]]:
+    def running(self, key: RecordKey) -> Iterator[None]:
+        """While a worker of this process runs the call of ``key``."""
+        self._running[key] += 1
+        try:
+            yield
+        finally:
+            self._running[key] -= 1
+            if self._running[key] <= 0:
+                del self._running[key]
+
+    def share(self, key: RecordKey, data: bytes) -> None:
+        """Keep ``data`` (a worker's progress) in the store as the call's latest, for the
+        followers on other replicas: written behind, the newest replacing any not written."""
+        if self.store is None or len(data) > MAX_SHARED_PROGRESS_BYTES:
+            return
+        self._numbered += 1
+        self._pending[key] = _shared_progress(self.origin, self._numbered, data)
+        if key not in self._writers:
+            self._writers[key] = asyncio.create_task(self._write(key))
+
+    async def _write(self, key: RecordKey) -> None:
+        assert self.store is not None
+        try:
+            while (value := self._pending.pop(key, None)) is not None:
+                try:
+                    await self.store.put_value(progress_key(key), value, PROGRESS_TTL_SECONDS)
+                except ProxyError as exc:  # the followers elsewhere miss it; the call goes on
+                    self.log.warning("mcp_progress_not_shared", error=exc.detail)
+        finally:
+            self._writers.pop(key, None)
+
+    @contextlib.contextmanager
+    def follow(self, key: RecordKey | None) -> Iterator[asyncio.Queue[bytes]]:
+        """A queue of the progress of ``key``'s call (None: a queue that gets none)."""
         queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_HELD_PROGRESS)
+        if key is None:
+            yield queue
+            return
         self._queues.setdefault(key, set()).add(queue)
+        if self.store is not None and key not in self._pollers:
+            self._pollers[key] = asyncio.create_task(self._poll(key))
         try:
             yield queue
         finally:
@@ -116,10 +182,54 @@ class Followers:
             queues.discard(queue)
             if not queues:
                 self._queues.pop(key, None)
+                poller = self._pollers.pop(key, None)
+                if poller is not None:
+                    poller.cancel()
+
+    async def _poll(self, key: RecordKey) -> None:
+        """Hand the progress another replica's worker shares to this process's followers."""
+        assert self.store is not None
+        seen: bytes | None = None
+        while True:
+            if key not in self._running:
+                try:
+                    value = await self.store.get_value(progress_key(key))
+                except ProxyError:
+                    value = None  # the store is away: no progress from elsewhere meanwhile
+                if value is not None and value != seen:
+                    seen = value
+                    note = _read_shared(value, self.origin)
+                    if note is not None:
+                        self.publish(key, note)
+            await asyncio.sleep(PROGRESS_POLL_SECONDS)
+
+
+def progress_key(key: RecordKey) -> str:
+    """Where a call's latest progress is kept for the followers on other replicas."""
+    digest = hashlib.sha256(f"{key.slot}\n{key.name}".encode()).hexdigest()[:32]
+    return f"mcp-progress|{digest}"
+
+
+def _shared_progress(origin: str, number: int, data: bytes) -> bytes:
+    return json.dumps({"origin": origin, "n": number, "note": data.decode()}).encode()
+
+
+def _read_shared(value: bytes, origin: str) -> bytes | None:
+    """The progress notification kept in ``value``; None if it is this process's own (its
+    followers had it already) or not one."""
+    try:
+        shared = json.loads(value)
+        if shared["origin"] == origin:
+            return None
+        note = shared["note"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return note.encode() if isinstance(note, str) and _PROGRESS.decode() in note else None
 
 
 class Relay:
-    """A job's view of its call's SSE answer (``mcp.Messages``): progress to followers."""
+    """A job's view of its call's SSE answer (``mcp.Messages``): progress to followers,
+    here and on the other replicas."""
 
     def __init__(self, followers: Followers, key: RecordKey) -> None:
         self.followers = followers
@@ -131,6 +241,7 @@ class Relay:
     def event(self, data: bytes) -> None:
         if _PROGRESS in data:  # the server's requests and logs have no one to answer them
             self.followers.publish(self.key, data)
+            self.followers.share(self.key, data)
 
 
 class McpTasks:
@@ -150,11 +261,19 @@ class McpTasks:
         call = tool_call(parse(body))
         assert view.policy is not None
         op = identify_call(view.route.name, view.policy, view.config, request, call, principal)
-        relay = None if op is None else Relay(self.followers, op.key)
+        if op is None:
+
+            async def plain() -> Any:
+                sent = await forward()
+                return await read_answer(sent, call.id, view.not_run, view.answer_bound, None)
+
+            return plain
+        key, relay = op.key, Relay(self.followers, op.key)
 
         async def send() -> Any:
-            sent = await forward()
-            return await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+            with self.followers.running(key):
+                sent = await forward()
+                return await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
 
         return send
 
@@ -252,8 +371,7 @@ class McpTasks:
         if message.method == "tasks/cancel":
             return await self._cancel(message.id, job, accept, session)
         if message.method == "tasks/result":
-            key = RecordKey(job.slot, job.name)
-            return await self._follow(job, key, message.id, accept, session, _no_progress, job.id)
+            return await self._follow(job, None, message.id, accept, session, _no_progress, job.id)
         return None
 
     async def _cancel(self, id: str | int, job: Job, accept: str, session: str) -> Response:
@@ -336,7 +454,7 @@ class McpTasks:
     async def _follow(
         self,
         job: Job,
-        key: RecordKey,
+        key: RecordKey | None,
         id: str | int,
         accept: str,
         session: str,
@@ -359,7 +477,12 @@ class McpTasks:
         return response
 
     async def _frames(
-        self, job: Job, key: RecordKey, id: str | int, retoken: Retoken, related: str | None
+        self,
+        job: Job,
+        key: RecordKey | None,
+        id: str | int,
+        retoken: Retoken,
+        related: str | None,
     ) -> AsyncIterator[bytes]:
         with self.followers.follow(key) as queue:
             ended = asyncio.ensure_future(self._ended(job))
@@ -381,8 +504,16 @@ class McpTasks:
                         yield b": keep-alive\n\n"
             finally:  # the caller may leave: the job goes on
                 ended.cancel()
-        final = await self._final(ended.result(), id, related, "")
+        last = ended.result()
+        if related is not None and last is not None:  # the requester of a task: its status
+            yield sse_event(await self._status_note(last))
+        final = await self._final(last, id, related, "")
         yield sse_event(await body_of(final))
+
+    async def _status_note(self, job: Job) -> bytes:
+        """``notifications/tasks/status`` (2025-11-25) of an ended task."""
+        note = {"jsonrpc": "2.0", "method": STATUS_NOTE, "params": await self._task(job)}
+        return json.dumps(note).encode()
 
     async def _ended(self, job: Job) -> Job | None:
         if job.state.terminal:
