@@ -102,6 +102,9 @@ REFUSED = -32019
 # The MCP revisions whose tools/call the proxy guards (MCP-Protocol-Version). 2025-03-26
 # is what the transport spec has a server assume when the header is absent.
 PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
+TASKS_REVISIONS = frozenset({"2025-11-25"})
+"""The revisions whose tools say ``execution.taskSupport`` (2026-07-28 moved tasks to an
+extension, which the proxy does not speak)."""
 DEFAULT_PROTOCOL_VERSION = "2025-03-26"
 # Where a 2026-07-28 request states its revision itself (it must match the header).
 VERSION_META = "io.modelcontextprotocol/protocolVersion"
@@ -340,7 +343,8 @@ class McpView:
         if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
             return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
         if (self.learns or self.tasks is not None) and _is_request(message, "tools/list"):
-            return Handled(await self._listed(exchange, body), Outcome.PASSED)
+            offer = self.tasks is not None and _header(request, _VERSION) in TASKS_REVISIONS
+            return Handled(await self._listed(exchange, body, offer), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
             return await self._unguarded(request, exchange, call, body)
         upstream = await exchange.forward(body)
@@ -363,10 +367,10 @@ class McpView:
         forwarded (it may name a guarded call running here or on another replica)."""
         return self.guard is not None and note.method == "notifications/cancelled"
 
-    async def _listed(self, exchange: Exchange, body: bytes) -> Response:
+    async def _listed(self, exchange: Exchange, body: bytes, offer: bool) -> Response:
         """Forward a ``tools/list``: learn the annotations of the tools in its answer (when
-        ``learns``), and, on a route with the proxy's tasks, mark the guarded tools as
-        taking tasks (``execution.taskSupport: optional``)."""
+        ``learns``), and, ``offer``: mark the guarded tools as taking the proxy's tasks
+        (``execution.taskSupport: optional``)."""
         upstream = await exchange.forward(body)
         raw = await upstream.read()
         form = content_type(upstream.headers)
@@ -376,7 +380,7 @@ class McpView:
             return Reply(upstream.status, headers, raw)
         if self.learns and self._learn(answer.result):
             await self._share(listed_ttl(answer.result))
-        if self.tasks is None or not offer_tasks(answer.result, self.guards):
+        if not offer or not offer_tasks(answer.result, self.guards):
             headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
             return Reply(upstream.status, headers, raw)
         kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]

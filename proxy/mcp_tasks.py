@@ -87,6 +87,8 @@ MAX_HELD_PROGRESS = 256
 MAX_SHARED_PROGRESS_BYTES = 16 * 1024
 # How often a replica with followers of a call run elsewhere reads the call's progress.
 PROGRESS_POLL_SECONDS = 0.5
+# The longest a worker waits for its call's latest progress to be written to the store.
+FLUSH_SECONDS = 1.0
 # How long a call's latest progress is kept in the store past its last one.
 PROGRESS_TTL_SECONDS = 600.0
 # Jobs looked at per tasks/list page (the page holds this caller's tasks among them).
@@ -127,6 +129,8 @@ class Followers:
         self._pending: dict[RecordKey, bytes] = {}
         self._writers: dict[RecordKey, asyncio.Task[None]] = {}
         self._pollers: dict[RecordKey, asyncio.Task[None]] = {}
+        self._seen: dict[RecordKey, bytes] = {}
+        """The shared progress last handed to the followers of a call, per call followed."""
 
     def publish(self, key: RecordKey, data: bytes) -> None:
         for queue in self._queues.get(key, ()):
@@ -182,26 +186,42 @@ class Followers:
             queues.discard(queue)
             if not queues:
                 self._queues.pop(key, None)
+                self._seen.pop(key, None)
                 poller = self._pollers.pop(key, None)
                 if poller is not None:
                     poller.cancel()
 
     async def _poll(self, key: RecordKey) -> None:
         """Hand the progress another replica's worker shares to this process's followers."""
-        assert self.store is not None
-        seen: bytes | None = None
         while True:
-            if key not in self._running:
-                try:
-                    value = await self.store.get_value(progress_key(key))
-                except ProxyError:
-                    value = None  # the store is away: no progress from elsewhere meanwhile
-                if value is not None and value != seen:
-                    seen = value
-                    note = _read_shared(value, self.origin)
-                    if note is not None:
-                        self.publish(key, note)
+            await self.settle(key)
             await asyncio.sleep(PROGRESS_POLL_SECONDS)
+
+    async def settle(self, key: RecordKey | None) -> None:
+        """Read the call's shared progress once, and hand it to the followers here if it is
+        new and another replica's (a follower's last read, once the job ended)."""
+        if self.store is None or key is None or key in self._running:
+            return
+        try:
+            value = await self.store.get_value(progress_key(key))
+        except ProxyError:
+            return  # the store is away: no progress from elsewhere meanwhile
+        if value is None or value == self._seen.get(key):
+            return
+        if key in self._queues:
+            self._seen[key] = value
+        note = _read_shared(value, self.origin)
+        if note is not None:
+            self.publish(key, note)
+
+    async def flush(self, key: RecordKey) -> None:
+        """Wait for the call's latest progress to be in the store (before its result is
+        recorded: a follower elsewhere reads it before the end)."""
+        writer = self._writers.get(key)
+        if writer is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_SECONDS):
+                    await asyncio.shield(writer)
 
 
 def progress_key(key: RecordKey) -> str:
@@ -273,7 +293,9 @@ class McpTasks:
         async def send() -> Any:
             with self.followers.running(key):
                 sent = await forward()
-                return await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+                answer = await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+                await self.followers.flush(key)
+                return answer
 
         return send
 
@@ -502,6 +524,11 @@ class McpTasks:
                         taken.cancel()
                     if not done:
                         yield b": keep-alive\n\n"
+                await self.followers.settle(key)  # the progress shared just before the end
+                while not queue.empty():
+                    data = retoken(queue.get_nowait())
+                    if data is not None:
+                        yield sse_event(data)
             finally:  # the caller may leave: the job goes on
                 ended.cancel()
         last = ended.result()
