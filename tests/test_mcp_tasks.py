@@ -5,6 +5,7 @@ client (its experimental tasks) on one side, a FastMCP server without tasks on t
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +17,8 @@ from mcp import ClientSession, types
 from mcp.shared.exceptions import McpError
 
 from proxy import mcp, mcp_tasks, mcp_tools
+from proxy.store import RecordKey
+from proxy.store.memory import MemoryStore
 from tests.conftest import SEALING_ENV, ProxyFactory, new_key
 from tests.idp import IdentityProvider
 from tests.mcp_servers import McpTool, RawSession, message_of, session
@@ -420,3 +423,44 @@ def test_only_guarded_tools_are_offered_as_tasks() -> None:
         {"taskSupport": "optional"}, None, {"taskSupport": "required"}, {"taskSupport": "optional"},
     ]  # fmt: skip
     assert not mcp.offer_tasks({"tools": [{"name": "balance"}]}, lambda name: False)
+
+
+def _progress(message: str, size: int = 0) -> bytes:
+    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {
+        "progressToken": "tool-proxy", "progress": 1, "message": message + "x" * size,
+    }}  # fmt: skip
+    return json.dumps(note).encode()
+
+
+def test_shared_progress_reaches_other_processes_only_the_latest_and_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit: two ``Followers`` on one store, as two replicas. The worker's process hands
+    its progress to its own followers once (its value in the store is not read back); the
+    other one reads the latest from the store; a note past the bound is not shared."""
+    monkeypatch.setattr(mcp_tasks, "PROGRESS_POLL_SECONDS", 0.01)
+    key = RecordKey("slot", "name")
+
+    async def scenario() -> tuple[list[bytes], list[bytes], bytes | None]:
+        store = MemoryStore()
+        worker, other = mcp_tasks.Followers(store, None), mcp_tasks.Followers(store, None)
+        with worker.follow(key) as here, other.follow(key) as there:
+            with worker.running(key):
+                for message in ("one", "two", "three"):
+                    worker.publish(key, _progress(message))
+                    worker.share(key, _progress(message))
+                await worker.flush(key)
+                worker.share(key, _progress("big", mcp_tasks.MAX_SHARED_PROGRESS_BYTES))
+                await worker.flush(key)
+            async with asyncio.timeout(5):
+                got = [await there.get()]
+            await worker.settle(key)  # its own value: not handed to its followers again
+            await other.settle(key)  # seen already: not again
+            mine = [here.get_nowait() for _ in range(here.qsize())]
+            got += [there.get_nowait() for _ in range(there.qsize())]
+        return mine, got, await store.get_value(mcp_tasks.progress_key(key))
+
+    mine, got, kept = asyncio.run(scenario())
+    assert [json.loads(n)["params"]["message"] for n in mine] == ["one", "two", "three"]
+    assert [json.loads(n)["params"]["message"] for n in got] == ["three"]
+    assert kept is not None and b"big" not in kept
