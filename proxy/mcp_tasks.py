@@ -13,7 +13,11 @@ A guarded call that does not ask for a task, on a route whose ``async`` runs cal
 workers without being asked (``mode: always``, or ``after``), is a job too, followed by
 its caller: over SSE its answer stream is kept alive (comments) and carries the tool's
 progress notifications (with the caller's own ``progressToken``) until the result. A retry
-of the same key while the job runs follows the same job: never a second execution.
+of the same key while the job runs follows the same job: never a second execution. The
+progress reaches followers on every replica (``Followers``: in this process as it comes,
+from another one through the store, the latest). ``tasks/result`` over SSE ends with the
+task's ``notifications/tasks/status``; on a route with tasks, ``tools/list`` answers
+(2025-11-25) mark the guarded tools ``execution.taskSupport: optional`` (``mcp.py``).
 
     job          queued, running   completed                        failed, dead   cancelled
     task status  working           completed (failed: isError, or   failed         cancelled
