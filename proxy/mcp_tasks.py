@@ -112,7 +112,9 @@ class Followers:
     """The progress of the calls the route's workers run, for the callers that follow them
     (by the call's record key), on every replica.
 
-    Within this process, a worker's progress goes to its followers' queues as it arrives.
+    Within this process, a worker's progress goes to its followers' queues as it arrives;
+    a follower who comes later gets the latest first (kept while the call is followed or
+    run here).
     Across replicas, through the store: a worker keeps the latest progress notification of
     its call (``progress_key``; at most one write in flight per call, the newest waiting
     replacing the one before, ``MAX_SHARED_PROGRESS_BYTES`` at most), and a process with
@@ -133,10 +135,14 @@ class Followers:
         self._pending: dict[RecordKey, bytes] = {}
         self._writers: dict[RecordKey, asyncio.Task[None]] = {}
         self._pollers: dict[RecordKey, asyncio.Task[None]] = {}
+        self._latest: dict[RecordKey, bytes] = {}
+        """The last progress of each call followed or run here, for followers to come."""
         self._seen: dict[RecordKey, bytes] = {}
         """The shared progress last handed to the followers of a call, per call followed."""
 
     def publish(self, key: RecordKey, data: bytes) -> None:
+        if key in self._queues or key in self._running:  # for a follower who comes later
+            self._latest[key] = data
         for queue in self._queues.get(key, ()):
             with contextlib.suppress(asyncio.QueueFull):  # a slow follower loses progress
                 queue.put_nowait(data)
@@ -151,6 +157,8 @@ class Followers:
             self._running[key] -= 1
             if self._running[key] <= 0:
                 del self._running[key]
+                if key not in self._queues:
+                    self._latest.pop(key, None)
 
     def share(self, key: RecordKey, data: bytes) -> None:
         """Keep ``data`` (a worker's progress) in the store as the call's latest, for the
@@ -181,6 +189,9 @@ class Followers:
             yield queue
             return
         self._queues.setdefault(key, set()).add(queue)
+        latest = self._latest.get(key)
+        if latest is not None:  # the call's progress so far: the latest
+            queue.put_nowait(latest)
         if self.store is not None and key not in self._pollers:
             self._pollers[key] = asyncio.create_task(self._poll(key))
         try:
@@ -191,6 +202,8 @@ class Followers:
             if not queues:
                 self._queues.pop(key, None)
                 self._seen.pop(key, None)
+                if key not in self._running:
+                    self._latest.pop(key, None)
                 poller = self._pollers.pop(key, None)
                 if poller is not None:
                     poller.cancel()

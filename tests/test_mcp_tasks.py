@@ -322,8 +322,10 @@ def test_progress_reaches_a_follower_on_another_replica(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """A task runs on replica a's worker; a client of replica b sends the same call with
-    the same key and follows the job: the tool's progress reaches it through the store
-    (the latest when it starts following, then the next), and the call runs once."""
+    the same key, gives up after 0.3 s, sends it again and follows the job: the tool's
+    progress reaches it through the store (the latest when it starts following, then the
+    one right before the result), and the call runs once: for the client that asked for a
+    task, the one that gave up and the one that waited."""
     redis_server.flush()
     tool = McpTool(json_response=False).start()  # progress comes on the SSE answer
     spec = {"store": {"url": redis_server.url, "sealing_key_env": SEALING_ENV}}
@@ -350,6 +352,9 @@ def test_progress_reaches_a_follower_on_another_replica(
             b = await asyncio.to_thread(ProxyProcess(spec, tmp_path).start)
             proxies.append(b)  # its worker finds nothing to take: the job is a's
             async with session(b.url + "/mcp") as follower:
+                with pytest.raises(McpError) as timed_out:  # gives up; the job runs on
+                    await follower.call_tool("deploy", arguments, timedelta(seconds=0.3), meta=meta)
+                assert "Timed out" in str(timed_out.value)  # not -32010: it followed the job
                 followed = asyncio.ensure_future(
                     follower.call_tool("deploy", arguments, meta=meta, progress_callback=progress)
                 )
