@@ -38,6 +38,7 @@ from typing import Any
 from mcp import types
 from starlette.responses import Response, StreamingResponse
 
+from proxy import logs
 from proxy.asgi import SSE, Incoming, RawHeaders, Reply
 from proxy.errors import (
     OperationConflict,
@@ -125,7 +126,7 @@ class Followers:
 
     def __init__(self, store: Store | None = None, log: Any = None) -> None:
         self.store = store
-        self.log = log
+        self.log = log if log is not None else logs.get_logger()
         self.origin = secrets.token_hex(8)
         """This process's mark on the progress it shares (its own is not read back)."""
         self._queues: dict[RecordKey, set[asyncio.Queue[bytes]]] = {}
