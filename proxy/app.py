@@ -266,7 +266,7 @@ class Proxy:
 
     def _mcp_tasks(self) -> dict[str, McpTasks]:
         """The proxy's own MCP tasks, on each ``protocol: mcp`` route with jobs."""
-        followers = Followers()
+        followers = Followers(self.store, self.log)
         tasks = {
             name: McpTasks(view, self.jobs[name], followers)
             for name, view in self.mcp.items()

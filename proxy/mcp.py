@@ -37,7 +37,7 @@ import contextlib
 import hashlib
 import json
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -79,7 +79,7 @@ from proxy.keys import (
     parse_json,
     parse_opaque,
 )
-from proxy.mcp_tools import SharedTools
+from proxy.mcp_tools import MAX_TTL_SECONDS, MIN_TTL_SECONDS, TOOLS_TTL_SECONDS, SharedTools
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.policies import Call
@@ -102,6 +102,9 @@ REFUSED = -32019
 # The MCP revisions whose tools/call the proxy guards (MCP-Protocol-Version). 2025-03-26
 # is what the transport spec has a server assume when the header is absent.
 PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
+TASKS_REVISIONS = frozenset({"2025-11-25"})
+"""The revisions whose tools say ``execution.taskSupport`` (2026-07-28 moved tasks to an
+extension, which the proxy does not speak)."""
 DEFAULT_PROTOCOL_VERSION = "2025-03-26"
 # Where a 2026-07-28 request states its revision itself (it must match the header).
 VERSION_META = "io.modelcontextprotocol/protocolVersion"
@@ -339,8 +342,9 @@ class McpView:
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
         if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
             return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
-        if self.learns and _is_request(message, "tools/list"):  # learn the annotations
-            return Handled(await self._listed(exchange, body), Outcome.PASSED)
+        if (self.learns or self.tasks is not None) and _is_request(message, "tools/list"):
+            offer = self.tasks is not None and _header(request, _VERSION) in TASKS_REVISIONS
+            return Handled(await self._listed(exchange, body, offer), Outcome.PASSED)
         if call is not None:  # unguarded: the route's policies still apply, as JSON-RPC
             return await self._unguarded(request, exchange, call, body)
         upstream = await exchange.forward(body)
@@ -363,16 +367,25 @@ class McpView:
         forwarded (it may name a guarded call running here or on another replica)."""
         return self.guard is not None and note.method == "notifications/cancelled"
 
-    async def _listed(self, exchange: Exchange, body: bytes) -> Response:
-        """Forward a ``tools/list`` and learn the annotations of the tools in its answer."""
+    async def _listed(self, exchange: Exchange, body: bytes, offer: bool) -> Response:
+        """Forward a ``tools/list``: learn the annotations of the tools in its answer (when
+        ``learns``), and, ``offer``: mark the guarded tools as taking the proxy's tasks
+        (``execution.taskSupport: optional``)."""
         upstream = await exchange.forward(body)
         raw = await upstream.read()
-        if upstream.status == 200:
-            answer = _final_response(raw, _content_type(upstream.headers))
-            if isinstance(answer, types.JSONRPCResponse) and self._learn(answer.result):
-                await self._share()
-        headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
-        return Reply(upstream.status, headers, raw)
+        form = content_type(upstream.headers)
+        answer = final_response(raw, form) if upstream.status == 200 else None
+        if not isinstance(answer, types.JSONRPCResponse):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        if self.learns and self._learn(answer.result):
+            await self._share(listed_ttl(answer.result))
+        if not offer or not offer_tasks(answer.result, self.guards):
+            headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
+            return Reply(upstream.status, headers, raw)
+        kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
+        payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
+        return framed(payload, form == SSE, kept)
 
     def _learn(self, result: dict[str, Any]) -> bool:
         try:
@@ -384,11 +397,12 @@ class McpView:
                 self.hints[tool.name] = Hints.of(tool.annotations)
         return True
 
-    async def _share(self) -> None:
-        """Tell the other replicas (through the store) what this one learnt."""
+    async def _share(self, ttl: float) -> None:
+        """Tell the other replicas (through the store) what this one learnt, for ``ttl``
+        seconds."""
         if self.shared is not None:
             hints = {n: (h.read_only, h.idempotent) for n, h in self.hints.items()}
-            await self.shared.remember(hints)
+            await self.shared.remember(hints, ttl)
 
     def _known(self, shared: dict[str, tuple[bool, bool]]) -> None:
         """Learn what other replicas learnt, for the tools this one has not seen listed."""
@@ -414,7 +428,7 @@ class McpView:
         if op is None:  # no key, and the route does not require one
             return await self._unguarded(request, exchange, call, body)
 
-        progress = Progress() if _wants_sse(accept, True) else None
+        progress = Progress() if wants_sse(accept, True) else None
 
         cached = self.caching(request, call)
 
@@ -447,6 +461,32 @@ class McpView:
             return await self.guard.run(op, forward, fence, lookup)
         except ProxyError as exc:
             return exc
+
+
+def listed_ttl(result: dict[str, Any]) -> float:
+    """How long a ``tools/list`` answer's annotations are shared: its ``ttlMs`` (2026-07-28),
+    within ``mcp_tools.MIN_TTL_SECONDS`` and ``MAX_TTL_SECONDS``; else ``TOOLS_TTL_SECONDS``."""
+    ttl_ms = result.get("ttlMs")
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int | float) or ttl_ms < 0:
+        return TOOLS_TTL_SECONDS
+    return min(max(ttl_ms / 1000, MIN_TTL_SECONDS), MAX_TTL_SECONDS)
+
+
+def offer_tasks(result: dict[str, Any], guards: Callable[[str], bool]) -> bool:
+    """Mark each guarded tool of a ``tools/list`` result ``execution.taskSupport:
+    optional`` (the proxy makes its tasks; a tool the server says ``required`` of is left
+    so); False if the result holds no tools to mark."""
+    tools = result.get("tools")
+    marked = False
+    for tool in tools if isinstance(tools, list) else ():
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if not isinstance(name, str) or not guards(name):
+            continue
+        execution = tool.setdefault("execution", {})
+        if isinstance(execution, dict) and execution.get("taskSupport") != "required":
+            execution["taskSupport"] = "optional"
+            marked = True
+    return marked
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,10 +525,10 @@ class CachedCall:
         nor an ``isError`` result, a task or an input request; and not from a stream on
         which the server asked the client something (elicitation, sampling, roots): that
         result depends on the caller's answer, not only on the arguments."""
-        sse = _content_type(headers) == SSE
+        sse = content_type(headers) == SSE
         if sse and any(_asks(data) for data in sse_data(body)):
             return None
-        answer = _final_response(body, SSE if sse else JSON, self.call.id)
+        answer = final_response(body, SSE if sse else JSON, self.call.id)
         if not isinstance(answer, types.JSONRPCResponse) or not _reusable(answer.result):
             return None
         kept: RawHeaders = [(b"content-type", JSON.encode())]
@@ -499,10 +539,10 @@ class CachedCall:
     def served(self, headers: RawHeaders, body: bytes) -> tuple[RawHeaders, bytes]:
         answered_sse = (_FORM_HEADER, b"sse") in headers
         extra: RawHeaders = [(_SESSION, self.session.encode())] if self.session else []
-        sse = _wants_sse(self.accept, answered_sse)
-        reply = _framed(_with_id(body, self.call.id), sse, extra)
-        framed = [(k, v) for k, v in reply.raw_headers if k != b"content-length"]
-        return framed, bytes(reply.body)
+        sse = wants_sse(self.accept, answered_sse)
+        reply = framed(_with_id(body, self.call.id), sse, extra)
+        kept = [(k, v) for k, v in reply.raw_headers if k != b"content-length"]
+        return kept, bytes(reply.body)
 
 
 def _asks(data: bytes) -> bool:
@@ -624,7 +664,7 @@ class Progress:
                 while self._held:
                     data = self._held.popleft()
                     self._held_bytes -= len(data)
-                    yield _event(data)
+                    yield sse_event(data)
                 if run.done():
                     break
                 self._wake.clear()
@@ -633,12 +673,12 @@ class Progress:
             self._gone = True
             self._held.clear()
         if self._cut:
-            yield _event(await _body(refusal(id, _fell_behind())))
+            yield sse_event(await body_of(refusal(id, _fell_behind())))
             return
         handled = await _concluded(run.result(), id, accept, session, label)
-        final = await _body(handled.response)
-        if _content_type(handled.response.raw_headers) != SSE:
-            final = _event(final)
+        final = await body_of(handled.response)
+        if content_type(handled.response.raw_headers) != SSE:
+            final = sse_event(final)
         yield final
 
 
@@ -650,7 +690,7 @@ def _fell_behind() -> RequestInProgress:
     )
 
 
-def _event(data: bytes) -> bytes:
+def sse_event(data: bytes) -> bytes:
     return b"event: message\ndata: " + data + b"\n\n"
 
 
@@ -950,7 +990,7 @@ async def read_answer(
     ``progress`` is given the other messages of an SSE answer as they arrive."""
     if upstream.status != 200:
         await _not_answered(upstream, not_run, bound)
-    sse = _content_type(upstream.headers) == SSE
+    sse = content_type(upstream.headers) == SSE
     raw: bytes | None
     try:
         if sse and progress is not None:
@@ -966,7 +1006,7 @@ async def read_answer(
             f"the MCP server's answer passed {bound} bytes, the most this route keeps of it "
             "(mcp.max_answer_bytes, or what the store takes without offload)",
         )
-    answer = None if raw is None else _final_response(raw, JSON, id)
+    answer = None if raw is None else final_response(raw, JSON, id)
     if answer is None:
         raise OutcomeUnknown(
             "the MCP server's answer ended without the result of this call; the tool may have run",
@@ -1096,17 +1136,17 @@ def _answers(data: bytes, id: RequestId) -> bool:
     """True if an SSE event's data is a JSON-RPC response (or error) to ``id``."""
     if b'"result"' not in data and b'"error"' not in data:  # progress: not parsed whole
         return False
-    return _final_response(data, JSON, id) is not None
+    return final_response(data, JSON, id) is not None
 
 
-def _content_type(headers: RawHeaders) -> str:
+def content_type(headers: RawHeaders) -> str:
     for name, value in headers:
         if name.lower() == b"content-type":
             return value.decode("latin-1").split(";", 1)[0].strip().lower()
     return ""
 
 
-def _final_response(
+def final_response(
     raw: bytes, form: str, id: RequestId = None
 ) -> types.JSONRPCResponse | types.JSONRPCError | None:
     """The last JSON-RPC response (to ``id``, when given) in a JSON or SSE body."""
@@ -1149,11 +1189,11 @@ async def render(
     response: Response, id: str | int, accept: str, session: str, *, replayed: bool
 ) -> Response:
     """The state machine's answer (a first execution's, or a replay) in MCP form."""
-    body = await _body(response)
+    body = await body_of(response)
     headers = dict(response.raw_headers)
     if headers.get(b"content-type") == _PROBLEM:  # outcome unknown, not stored, ...
         problem = json.loads(body)
-        return _error_response(id, _code(problem), _problem_message(problem), problem)
+        return error_response(id, problem_code(problem), problem_message(problem), problem)
     if response.status_code != 200:  # a release status (503, ...): the answer as it was
         return response
     try:
@@ -1165,7 +1205,7 @@ async def render(
     extra: RawHeaders = [(_SESSION, session.encode())] if session else []
     if replayed:
         extra.append(REPLAYED_HEADER)
-    return _framed(payload, _wants_sse(accept, headers.get(_FORM_HEADER) == b"sse"), extra)
+    return framed(payload, wants_sse(accept, headers.get(_FORM_HEADER) == b"sse"), extra)
 
 
 def _with_id(payload: bytes, id: str | int) -> bytes:
@@ -1182,14 +1222,14 @@ def _as_answer_to(answer: types.JSONRPCResponse | types.JSONRPCError, id: str | 
     return readdressed.model_dump_json(by_alias=True, exclude_none=True).encode()
 
 
-async def _body(response: Response) -> bytes:
+async def body_of(response: Response) -> bytes:
     if isinstance(response, StreamingResponse):  # an offloaded body read back
         chunks = [c async for c in response.body_iterator]
         return b"".join(c if isinstance(c, bytes) else str(c).encode() for c in chunks)
     return bytes(response.body)
 
 
-def _wants_sse(accept: str, answered_sse: bool) -> bool:
+def wants_sse(accept: str, answered_sse: bool) -> bool:
     """True if the client prefers an SSE stream (by q-value; a tie: the server's form)."""
     weights = {JSON: -1.0, SSE: -1.0}
     for item in accept.split(","):
@@ -1211,7 +1251,7 @@ def _wants_sse(accept: str, answered_sse: bool) -> bool:
     return weights[SSE] > weights[JSON]
 
 
-def _framed(payload: bytes, sse: bool, extra: RawHeaders, status: int = 200) -> Reply:
+def framed(payload: bytes, sse: bool, extra: RawHeaders, status: int = 200) -> Reply:
     if sse:
         payload = b"event: message\ndata: " + payload + b"\n\n"
         kind = SSE.encode()
@@ -1234,13 +1274,13 @@ _CODES = {
 }
 
 
-def _code(problem: dict[str, Any]) -> int:
+def problem_code(problem: dict[str, Any]) -> int:
     slug = str(problem.get("type", "")).rsplit(":", 1)[-1]
     return _CODES.get(slug, REFUSED)
 
 
-def _problem_message(problem: dict[str, Any], retry_after: str | None = None) -> str:
-    code, detail = _code(problem), problem.get("detail", "")
+def problem_message(problem: dict[str, Any], retry_after: str | None = None) -> str:
+    code, detail = problem_code(problem), problem.get("detail", "")
     if code == IN_PROGRESS:
         wait = f"{retry_after} seconds" if retry_after else "a few seconds"
         return (
@@ -1278,7 +1318,8 @@ def refusal(id: str | int, exc: ProxyError) -> Reply:
     retry_after = exc.headers.get("Retry-After")
     if retry_after is not None:
         problem["retry_after"] = int(retry_after)
-    reply = _error_response(id, _code(problem), _problem_message(problem, retry_after), problem)
+    message = problem_message(problem, retry_after)
+    reply = error_response(id, problem_code(problem), message, problem)
     reply.raw_headers = [
         *reply.raw_headers,
         *((k.lower().encode(), v.encode()) for k, v in exc.headers.items()),
@@ -1286,15 +1327,15 @@ def refusal(id: str | int, exc: ProxyError) -> Reply:
     return reply
 
 
-def _error_response(id: str | int, code: int, message: str, data: Any) -> Reply:
+def error_response(id: str | int, code: int, message: str, data: Any) -> Reply:
     error = types.JSONRPCError(
         jsonrpc="2.0", id=id, error=types.ErrorData(code=code, message=message, data=data)
     )
-    return _framed(error.model_dump_json(by_alias=True, exclude_none=True).encode(), False, [])
+    return framed(error.model_dump_json(by_alias=True, exclude_none=True).encode(), False, [])
 
 
 def error_reply(id: RequestId, code: int, message: str, *, status: int, data: Any = None) -> Reply:
     """A JSON-RPC error for a body that is not what the proxy can guard."""
     error = types.ErrorData(code=code, message=message, data=data).model_dump(exclude_none=True)
     payload = json.dumps({"jsonrpc": "2.0", "id": id, "error": error}).encode()
-    return _framed(payload, False, [], status)
+    return framed(payload, False, [], status)

@@ -13,7 +13,11 @@ A guarded call that does not ask for a task, on a route whose ``async`` runs cal
 workers without being asked (``mode: always``, or ``after``), is a job too, followed by
 its caller: over SSE its answer stream is kept alive (comments) and carries the tool's
 progress notifications (with the caller's own ``progressToken``) until the result. A retry
-of the same key while the job runs follows the same job: never a second execution.
+of the same key while the job runs follows the same job: never a second execution. The
+progress reaches followers on every replica (``Followers``: in this process as it comes,
+from another one through the store, the latest). ``tasks/result`` over SSE ends with the
+task's ``notifications/tasks/status``; on a route with tasks, ``tools/list`` answers
+(2025-11-25) mark the guarded tools ``execution.taskSupport: optional`` (``mcp.py``).
 
     job          queued, running   completed                        failed, dead   cancelled
     task status  working           completed (failed: isError, or   failed         cancelled
@@ -24,13 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import secrets
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from mcp import types
 from starlette.responses import Response, StreamingResponse
 
+from proxy import logs
 from proxy.asgi import SSE, Incoming, RawHeaders, Reply
 from proxy.errors import (
     OperationConflict,
@@ -47,29 +55,30 @@ from proxy.mcp import (
     Handled,
     McpView,
     ToolCall,
-    _body,
-    _code,
-    _content_type,
-    _error_response,
-    _event,
-    _final_response,
-    _framed,
-    _problem_message,
-    _wants_sse,
+    body_of,
+    content_type,
     error_reply,
+    error_response,
+    final_response,
+    framed,
     identify_call,
     parse,
+    problem_code,
+    problem_message,
     read_answer,
     refusal,
     render,
+    sse_event,
     tool_call,
+    wants_sse,
 )
 from proxy.records import iso
-from proxy.store import Job, JobState, RecordKey
+from proxy.store import Job, JobState, RecordKey, Store
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
 PROGRESS_TOKEN = "tool-proxy"
 """The progressToken of a job's call whose caller sent none (each follower gets its own)."""
+STATUS_NOTE = "notifications/tasks/status"
 PROBLEM_META = "io.github.tool-proxy/problem"
 """Where a failed task's status (``tasks/get``) carries the RFC 9457 document."""
 # An SSE comment sent on a followed call's stream (or a tasks/result) this often while
@@ -79,6 +88,14 @@ KEEP_ALIVE_SECONDS = 15.0
 FOLLOW_SECONDS = STREAM_SECONDS
 # Progress notifications held per follower that has not read them yet (then dropped).
 MAX_HELD_PROGRESS = 256
+# The largest progress notification shared with the followers on other replicas.
+MAX_SHARED_PROGRESS_BYTES = 16 * 1024
+# How often a replica with followers of a call run elsewhere reads the call's progress.
+PROGRESS_POLL_SECONDS = 0.5
+# The longest a worker waits for its call's latest progress to be written to the store.
+FLUSH_SECONDS = 1.0
+# How long a call's latest progress is kept in the store past its last one.
+PROGRESS_TTL_SECONDS = 600.0
 # Jobs looked at per tasks/list page (the page holds this caller's tasks among them).
 LIST_PAGE = 200
 _STATUS = {
@@ -93,22 +110,91 @@ _PROGRESS = b'"notifications/progress"'
 
 
 class Followers:
-    """The progress of calls that this process's workers run, for the callers that follow
-    them here (by the call's record key). Within one process: a job run by another
-    replica's worker is followed without its progress."""
+    """The progress of the calls the route's workers run, for the callers that follow them
+    (by the call's record key), on every replica.
 
-    def __init__(self) -> None:
+    Within this process, a worker's progress goes to its followers' queues as it arrives;
+    a follower who comes later gets the latest first (kept while the call is followed or
+    run here).
+    Across replicas, through the store: a worker keeps the latest progress notification of
+    its call (``progress_key``; at most one write in flight per call, the newest waiting
+    replacing the one before, ``MAX_SHARED_PROGRESS_BYTES`` at most), and a process with
+    followers of a call that none of its own workers runs reads it every
+    ``PROGRESS_POLL_SECONDS`` (one read per call, whatever the followers), handing a new
+    one to them. A follower on another replica may miss intermediate progress (it gets the
+    latest, the one before the end included), never the result."""
+
+    def __init__(self, store: Store | None = None, log: Any = None) -> None:
+        self.store = store
+        self.log = log if log is not None else logs.get_logger()
+        self.origin = secrets.token_hex(8)
+        """This process's mark on the progress it shares (its own is not read back)."""
         self._queues: dict[RecordKey, set[asyncio.Queue[bytes]]] = {}
+        self._running: Counter[RecordKey] = Counter()
+        """Calls this process's workers are running (their progress is here already)."""
+        self._numbered = 0
+        self._pending: dict[RecordKey, bytes] = {}
+        self._writers: dict[RecordKey, asyncio.Task[None]] = {}
+        self._pollers: dict[RecordKey, asyncio.Task[None]] = {}
+        self._latest: dict[RecordKey, bytes] = {}
+        """The last progress of each call followed or run here, for followers to come."""
+        self._seen: dict[RecordKey, bytes] = {}
+        """The shared progress last handed to the followers of a call, per call followed."""
 
     def publish(self, key: RecordKey, data: bytes) -> None:
+        if key in self._queues or key in self._running:  # for a follower who comes later
+            self._latest[key] = data
         for queue in self._queues.get(key, ()):
             with contextlib.suppress(asyncio.QueueFull):  # a slow follower loses progress
                 queue.put_nowait(data)
 
     @contextlib.contextmanager
-    def follow(self, key: RecordKey) -> Iterator[asyncio.Queue[bytes]]:
+    def running(self, key: RecordKey) -> Iterator[None]:
+        """While a worker of this process runs the call of ``key``."""
+        self._running[key] += 1
+        try:
+            yield
+        finally:
+            self._running[key] -= 1
+            if self._running[key] <= 0:
+                del self._running[key]
+                if key not in self._queues:
+                    self._latest.pop(key, None)
+
+    def share(self, key: RecordKey, data: bytes) -> None:
+        """Keep ``data`` (a worker's progress) in the store as the call's latest, for the
+        followers on other replicas: written behind, the newest replacing any not written."""
+        if self.store is None or len(data) > MAX_SHARED_PROGRESS_BYTES:
+            return
+        self._numbered += 1
+        self._pending[key] = _shared_progress(self.origin, self._numbered, data)
+        if key not in self._writers:
+            self._writers[key] = asyncio.create_task(self._write(key))
+
+    async def _write(self, key: RecordKey) -> None:
+        assert self.store is not None
+        try:
+            while (value := self._pending.pop(key, None)) is not None:
+                try:
+                    await self.store.put_value(progress_key(key), value, PROGRESS_TTL_SECONDS)
+                except ProxyError as exc:  # the followers elsewhere miss it; the call goes on
+                    self.log.warning("mcp_progress_not_shared", error=exc.detail)
+        finally:
+            self._writers.pop(key, None)
+
+    @contextlib.contextmanager
+    def follow(self, key: RecordKey | None) -> Iterator[asyncio.Queue[bytes]]:
+        """A queue of the progress of ``key``'s call (None: a queue that gets none)."""
         queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_HELD_PROGRESS)
+        if key is None:
+            yield queue
+            return
         self._queues.setdefault(key, set()).add(queue)
+        latest = self._latest.get(key)
+        if latest is not None:  # the call's progress so far: the latest
+            queue.put_nowait(latest)
+        if self.store is not None and key not in self._pollers:
+            self._pollers[key] = asyncio.create_task(self._poll(key))
         try:
             yield queue
         finally:
@@ -116,10 +202,72 @@ class Followers:
             queues.discard(queue)
             if not queues:
                 self._queues.pop(key, None)
+                self._seen.pop(key, None)
+                if key not in self._running:
+                    self._latest.pop(key, None)
+                poller = self._pollers.pop(key, None)
+                if poller is not None:
+                    poller.cancel()
+
+    async def _poll(self, key: RecordKey) -> None:
+        """Hand the progress another replica's worker shares to this process's followers."""
+        while True:
+            await self.settle(key)
+            await asyncio.sleep(PROGRESS_POLL_SECONDS)
+
+    async def settle(self, key: RecordKey | None) -> None:
+        """Read the call's shared progress once, and hand it to the followers here if it is
+        new and another replica's (a follower's last read, once the job ended)."""
+        if self.store is None or key is None or key in self._running:
+            return
+        try:
+            value = await self.store.get_value(progress_key(key))
+        except ProxyError:
+            return  # the store is away: no progress from elsewhere meanwhile
+        if value is None or value == self._seen.get(key):
+            return
+        if key in self._queues:
+            self._seen[key] = value
+        note = _read_shared(value, self.origin)
+        if note is not None:
+            self.publish(key, note)
+
+    async def flush(self, key: RecordKey) -> None:
+        """Wait for the call's latest progress to be in the store (before its result is
+        recorded: a follower elsewhere reads it before the end)."""
+        writer = self._writers.get(key)
+        if writer is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_SECONDS):
+                    await asyncio.shield(writer)
+
+
+def progress_key(key: RecordKey) -> str:
+    """Where a call's latest progress is kept for the followers on other replicas."""
+    digest = hashlib.sha256(f"{key.slot}\n{key.name}".encode()).hexdigest()[:32]
+    return f"mcp-progress|{digest}"
+
+
+def _shared_progress(origin: str, number: int, data: bytes) -> bytes:
+    return json.dumps({"origin": origin, "n": number, "note": data.decode()}).encode()
+
+
+def _read_shared(value: bytes, origin: str) -> bytes | None:
+    """The progress notification kept in ``value``; None if it is this process's own (its
+    followers had it already) or not one."""
+    try:
+        shared = json.loads(value)
+        if shared["origin"] == origin:
+            return None
+        note = shared["note"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return note.encode() if isinstance(note, str) and _PROGRESS.decode() in note else None
 
 
 class Relay:
-    """A job's view of its call's SSE answer (``mcp.Messages``): progress to followers."""
+    """A job's view of its call's SSE answer (``mcp.Messages``): progress to followers,
+    here and on the other replicas."""
 
     def __init__(self, followers: Followers, key: RecordKey) -> None:
         self.followers = followers
@@ -131,6 +279,7 @@ class Relay:
     def event(self, data: bytes) -> None:
         if _PROGRESS in data:  # the server's requests and logs have no one to answer them
             self.followers.publish(self.key, data)
+            self.followers.share(self.key, data)
 
 
 class McpTasks:
@@ -150,11 +299,21 @@ class McpTasks:
         call = tool_call(parse(body))
         assert view.policy is not None
         op = identify_call(view.route.name, view.policy, view.config, request, call, principal)
-        relay = None if op is None else Relay(self.followers, op.key)
+        if op is None:
+
+            async def plain() -> Any:
+                sent = await forward()
+                return await read_answer(sent, call.id, view.not_run, view.answer_bound, None)
+
+            return plain
+        key, relay = op.key, Relay(self.followers, op.key)
 
         async def send() -> Any:
-            sent = await forward()
-            return await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+            with self.followers.running(key):
+                sent = await forward()
+                answer = await read_answer(sent, call.id, view.not_run, view.answer_bound, relay)
+                await self.followers.flush(key)
+                return answer
 
         return send
 
@@ -207,8 +366,8 @@ class McpTasks:
         cancel, ``tools/call``): clients that check them before asking for a task ask."""
         upstream = await exchange.forward(body)
         raw = await upstream.read()
-        form = _content_type(upstream.headers)
-        answer = _final_response(raw, form) if upstream.status == 200 else None
+        form = content_type(upstream.headers)
+        answer = final_response(raw, form) if upstream.status == 200 else None
         kept = [(k, v) for k, v in upstream.headers if k.lower() != b"content-type"]
         if not isinstance(answer, types.JSONRPCResponse):
             headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
@@ -221,7 +380,7 @@ class McpTasks:
                 tasks.setdefault("cancel", {})
                 tasks.setdefault("requests", {}).setdefault("tools", {}).setdefault("call", {})
         payload = answer.model_dump_json(by_alias=True, exclude_none=True).encode()
-        return _framed(payload, form == SSE, kept)
+        return framed(payload, form == SSE, kept)
 
     # -- tasks/* -------------------------------------------------------------------------
 
@@ -252,8 +411,7 @@ class McpTasks:
         if message.method == "tasks/cancel":
             return await self._cancel(message.id, job, accept, session)
         if message.method == "tasks/result":
-            key = RecordKey(job.slot, job.name)
-            return await self._follow(job, key, message.id, accept, session, _no_progress, job.id)
+            return await self._follow(job, None, message.id, accept, session, _no_progress, job.id)
         return None
 
     async def _cancel(self, id: str | int, job: Job, accept: str, session: str) -> Response:
@@ -321,7 +479,7 @@ class McpTasks:
         response = await self.jobs.result(job, first=True)
         if response is None:
             return False
-        answer = _message(await _body(response))
+        answer = _message(await body_of(response))
         if isinstance(answer, types.JSONRPCError):
             return True
         return isinstance(answer, types.JSONRPCResponse) and answer.result.get("isError") is True
@@ -329,14 +487,14 @@ class McpTasks:
     def _reply(self, id: str | int, result: dict[str, Any], accept: str, session: str) -> Response:
         payload = json.dumps({"jsonrpc": "2.0", "id": id, "result": result}).encode()
         extra: RawHeaders = [(b"mcp-session-id", session.encode())] if session else []
-        return _framed(payload, _wants_sse(accept, False), extra)
+        return framed(payload, wants_sse(accept, False), extra)
 
     # -- following a job -----------------------------------------------------------------
 
     async def _follow(
         self,
         job: Job,
-        key: RecordKey,
+        key: RecordKey | None,
         id: str | int,
         accept: str,
         session: str,
@@ -346,7 +504,7 @@ class McpTasks:
         """The job's answer to request ``id`` once it ends: over SSE, the stream kept alive
         meanwhile, with the tool's progress; as JSON, once it ends (-32010 past
         ``FOLLOW_SECONDS``). ``related``: a ``tasks/result``'s task, named in its _meta."""
-        if not _wants_sse(accept, True):
+        if not wants_sse(accept, True):
             ended = await self._ended(job)
             return await self._final(ended, id, related, session)
         response = StreamingResponse(self._frames(job, key, id, retoken, related), 200)
@@ -359,7 +517,12 @@ class McpTasks:
         return response
 
     async def _frames(
-        self, job: Job, key: RecordKey, id: str | int, retoken: Retoken, related: str | None
+        self,
+        job: Job,
+        key: RecordKey | None,
+        id: str | int,
+        retoken: Retoken,
+        related: str | None,
     ) -> AsyncIterator[bytes]:
         with self.followers.follow(key) as queue:
             ended = asyncio.ensure_future(self._ended(job))
@@ -374,15 +537,28 @@ class McpTasks:
                     if taken in done:
                         data = retoken(taken.result())
                         if data is not None:
-                            yield _event(data)
+                            yield sse_event(data)
                     else:
                         taken.cancel()
                     if not done:
                         yield b": keep-alive\n\n"
+                await self.followers.settle(key)  # the progress shared just before the end
+                while not queue.empty():
+                    data = retoken(queue.get_nowait())
+                    if data is not None:
+                        yield sse_event(data)
             finally:  # the caller may leave: the job goes on
                 ended.cancel()
-        final = await self._final(ended.result(), id, related, "")
-        yield _event(await _body(final))
+        last = ended.result()
+        if related is not None and last is not None:  # the requester of a task: its status
+            yield sse_event(await self._status_note(last))
+        final = await self._final(last, id, related, "")
+        yield sse_event(await body_of(final))
+
+    async def _status_note(self, job: Job) -> bytes:
+        """``notifications/tasks/status`` (2025-11-25) of an ended task."""
+        note = {"jsonrpc": "2.0", "method": STATUS_NOTE, "params": await self._task(job)}
+        return json.dumps(note).encode()
 
     async def _ended(self, job: Job) -> Job | None:
         if job.state.terminal:
@@ -404,10 +580,10 @@ class McpTasks:
             rendered = await render(recorded, id, JSON, session, replayed=False)
             if related is None:
                 return rendered
-            return _related(rendered, await _body(rendered), related)
+            return _related(rendered, await body_of(rendered), related)
         if job.error:
             problem = json.loads(job.error)
-            return _error_response(id, _code(problem), _problem_message(problem), problem)
+            return error_response(id, problem_code(problem), problem_message(problem), problem)
         if job.state is JobState.CANCELLED:
             detail = f"Task {job.id} was cancelled before it was sent: the tool was not called"
             return error_reply(id, types.INVALID_REQUEST, detail, status=200)
@@ -449,7 +625,7 @@ def _related(response: Response, body: bytes, task_id: str) -> Response:
     meta = result.setdefault("_meta", {})
     if isinstance(meta, dict):
         meta[RELATED_TASK] = {"taskId": task_id}
-    return _framed(json.dumps(answer).encode(), False, [])
+    return framed(json.dumps(answer).encode(), False, [])
 
 
 def _message(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:

@@ -5,9 +5,11 @@ as on the replica that has.
 
 One value per route (``mcp-tools|<route>``): tool name → ``[readOnlyHint, idempotentHint]``,
 written after each ``tools/list`` answer (the latest wins, as within one replica), kept
-``TOOLS_TTL_SECONDS`` past it. A replica reads it for a tool it does not know, at most
-every ``RECALL_SECONDS``. The store out of reach is not an error here: the replica knows
-what it learnt itself, and a tool it does not know is guarded and not cached.
+for the answer's ``ttlMs`` (2026-07-28), within ``MIN_TTL_SECONDS`` and
+``MAX_TTL_SECONDS``, or ``TOOLS_TTL_SECONDS`` past it when the answer has none. A replica
+reads it for a tool it does not know, at most every ``RECALL_SECONDS``. The store out of
+reach is not an error here: the replica knows what it learnt itself, and a tool it does
+not know is guarded and not cached.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from typing import Any
 from proxy.errors import ProxyError
 from proxy.store import Store
 
-# How long a learnt list stays in the store after the last tools/list that wrote it.
+# How long a learnt list stays in the store after the last tools/list that wrote it
+# (an answer without ttlMs).
 TOOLS_TTL_SECONDS = 3600.0
+# The bounds of a tools/list answer's ttlMs, as the shared list's time to live.
+MIN_TTL_SECONDS = 1.0
+MAX_TTL_SECONDS = 86400.0
 # A replica reads the shared list for a tool it does not know at most this often.
 RECALL_SECONDS = 1.0
 
@@ -37,10 +43,10 @@ class SharedTools:
         self.log = log
         self._recalled_at = -RECALL_SECONDS
 
-    async def remember(self, tools: Annotations) -> None:
+    async def remember(self, tools: Annotations, ttl: float = TOOLS_TTL_SECONDS) -> None:
         value = json.dumps({name: list(hints) for name, hints in tools.items()}).encode()
         try:
-            await self.store.put_value(self.key, value, TOOLS_TTL_SECONDS)
+            await self.store.put_value(self.key, value, ttl)
         except ProxyError as exc:
             self.log.warning("mcp_tools_not_shared", key=self.key, error=exc.detail)
 

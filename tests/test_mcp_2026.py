@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from proxy import mcp
-from tests.conftest import ProxyFactory, new_key
-from tests.servers import ROOT, free_port, wait_for
+from tests.conftest import SEALING_ENV, ProxyFactory, new_key
+from tests.servers import ROOT, ProxyProcess, RedisServer, free_port, wait_for
 from tests.test_mcp import mcp_route
 
 VENV = ROOT / ".venv-mcp2"
@@ -264,6 +264,38 @@ def test_on_an_async_route_callers_of_one_key_follow_the_same_job(
     for follower in followers:
         follower.join(30)
     assert [text(answer["results"][0]) for answer in answers] == [f"held {who} (#1)"] * 2
+    assert server2.executions()[f"hold:{who}"] == 1
+    assert server2.executions()[f"running:{who}"] == 1
+
+
+def test_a_slow_call_through_two_replicas_runs_once(
+    redis_server: RedisServer, server2: Server2, tmp_path: Path
+) -> None:
+    """Two ``tool-proxy serve`` processes on one Redis, ``async: {mode: always}``. A client
+    of replica a gives up after 0.5 s; a client of replica b sending the call again with
+    the same key while it runs follows the job (it too gives up, after 2 s: no -32010, no
+    second execution); once the tool goes on, a third client, of b, gets the result of the
+    one execution."""
+    redis_server.flush()
+    route = {**mcp_route(server2.url), "async": {"mode": "always", "visibility": "1s"}}
+    spec = {"store": {"url": redis_server.url, "sealing_key_env": SEALING_ENV}}
+    spec["routes"] = [route]  # type: ignore[assignment]
+    proxies = [ProxyProcess(spec, tmp_path).start() for _ in range(2)]
+    a, b = (proxy.url + "/mcp" for proxy in proxies)
+    who = account()
+    hold = {"tool": "hold", "arguments": {"account": who}, "key": new_key({"account": who})}
+    try:
+        [impatient] = sessions(a, [{**hold, "timeout": 0.5}])
+        wait_for(lambda: server2.executions().get(f"running:{who}") == 1, what="the call sent")
+        [following] = sessions(b, [{**hold, "timeout": 2}])
+        httpx.post(f"{server2.url}/open", params={"account": who})
+        [answer] = sessions(b, [hold])
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    assert impatient["results"][0]["error"]["code"] == -32001  # the client's own timeout
+    assert following["results"][0]["error"]["code"] == -32001  # followed, not refused
+    assert text(answer["results"][0]) == f"held {who} (#1)"
     assert server2.executions()[f"hold:{who}"] == 1
     assert server2.executions()[f"running:{who}"] == 1
 

@@ -5,6 +5,7 @@ client (its experimental tasks) on one side, a FastMCP server without tasks on t
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,9 @@ import pytest
 from mcp import ClientSession, types
 from mcp.shared.exceptions import McpError
 
-from proxy import mcp, mcp_tasks
+from proxy import mcp, mcp_tasks, mcp_tools
+from proxy.store import RecordKey
+from proxy.store.memory import MemoryStore
 from tests.conftest import SEALING_ENV, ProxyFactory, new_key
 from tests.idp import IdentityProvider
 from tests.mcp_servers import McpTool, RawSession, message_of, session
@@ -313,3 +316,156 @@ def test_a_replica_killed_with_one_task_sent_and_one_queued(
     assert problem["type"] == "urn:tool-proxy:problem:outcome-unknown"
     assert unknown.error.code == mcp.OUTCOME_UNKNOWN
     assert tool.arrived[f"deploy:{sent}"] == 1  # never sent again
+
+
+def test_progress_reaches_a_follower_on_another_replica(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A task runs on replica a's worker; a client of replica b sends the same call with
+    the same key, gives up after 0.3 s, sends it again and follows the job: the tool's
+    progress reaches it through the store (the latest when it starts following, then the
+    one right before the result), and the call runs once: for the client that asked for a
+    task, the one that gave up and the one that waited."""
+    redis_server.flush()
+    tool = McpTool(json_response=False).start()  # progress comes on the SSE answer
+    spec = {"store": {"url": redis_server.url, "sealing_key_env": SEALING_ENV}}
+    spec["routes"] = [tasks_route(tool.url, mode="always")]  # type: ignore[assignment]
+    who = account()
+    arguments = {"account": who}
+    meta = {"idempotencyKey": new_key(arguments)}
+    notes: list[tuple[float, str | None]] = []
+    started = asyncio.Event()
+
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
+        notes.append((progress, message))
+        if message == "started":
+            started.set()
+
+    proxies = [ProxyProcess(spec, tmp_path).start()]
+
+    async def scenario() -> Any:
+        # a's session stays open while its task waits: the server knows the session
+        async with session(proxies[0].url + "/mcp") as client:
+            await client.experimental.call_tool_as_task("deploy", arguments, meta=meta)
+            sent = lambda: tool.arrived[f"deploy:{who}"] == 1  # noqa: E731
+            await asyncio.to_thread(wait_for, sent, what="the call sent by a's worker")
+            b = await asyncio.to_thread(ProxyProcess(spec, tmp_path).start)
+            proxies.append(b)  # its worker finds nothing to take: the job is a's
+            async with session(b.url + "/mcp") as follower:
+                with pytest.raises(McpError) as timed_out:  # gives up; the job runs on
+                    await follower.call_tool("deploy", arguments, timedelta(seconds=0.3), meta=meta)
+                assert "Timed out" in str(timed_out.value)  # not -32010: it followed the job
+                followed = asyncio.ensure_future(
+                    follower.call_tool("deploy", arguments, meta=meta, progress_callback=progress)
+                )
+                async with asyncio.timeout(20):
+                    await started.wait()  # a's latest progress, from before b followed
+                tool.gate.set()  # the tool goes on: "almost", then its result
+                return await followed
+
+    try:
+        with tool.holding():
+            result = asyncio.run(scenario())
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        tool.stop()
+    assert text(result) == f"deployed {who} (#1)"
+    assert notes[0] == (0.0, "started") and (1.0, "almost") in notes
+    assert tool.executions[f"deploy:{who}"] == 1 and tool.arrived[f"deploy:{who}"] == 1
+
+
+def test_the_requester_of_a_task_gets_its_status_notification(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """Over SSE, ``tasks/result`` ends with ``notifications/tasks/status`` (the task's
+    last status), then the result; tools/list marks the guarded tools as taking tasks."""
+    proxy = through(make_proxy, mcp_tool)
+    who = account()
+    meta = {"idempotencyKey": new_key({"account": who})}
+    seen: list[Any] = []
+
+    async def handler(message: Any) -> None:
+        if isinstance(message, types.ServerNotification):
+            seen.append(message.root)
+
+    async def scenario() -> tuple[Any, Any]:
+        async with session(proxy.url + "/mcp", message_handler=handler) as client:
+            listed = await client.list_tools()
+            tasks = client.experimental
+            created = await tasks.call_tool_as_task("deploy", {"account": who}, meta=meta)
+            result = await tasks.get_task_result(created.task.taskId, types.CallToolResult)
+            return listed, (created, result)
+
+    listed, (created, result) = asyncio.run(scenario())
+    support = {tool.name: tool.execution and tool.execution.taskSupport for tool in listed.tools}
+    assert support["deploy"] == "optional" and support["charge"] == "optional"
+    assert text(result) == f"deployed {who} (#1)"
+    statuses = [n for n in seen if isinstance(n, types.TaskStatusNotification)]
+    assert [(n.params.taskId, n.params.status) for n in statuses] == [
+        (created.task.taskId, "completed")
+    ]
+
+
+def test_a_tools_list_ttl_bounds_the_shared_annotations() -> None:
+    assert mcp.listed_ttl({"tools": []}) == mcp_tools.TOOLS_TTL_SECONDS
+    assert mcp.listed_ttl({"ttlMs": 120_000}) == 120.0
+    assert mcp.listed_ttl({"ttlMs": 0}) == mcp_tools.MIN_TTL_SECONDS
+    assert mcp.listed_ttl({"ttlMs": 10**12}) == mcp_tools.MAX_TTL_SECONDS
+    assert mcp.listed_ttl({"ttlMs": "60000"}) == mcp_tools.TOOLS_TTL_SECONDS
+    assert mcp.listed_ttl({"ttlMs": True}) == mcp_tools.TOOLS_TTL_SECONDS
+
+
+def test_only_guarded_tools_are_offered_as_tasks() -> None:
+    result: dict[str, Any] = {"tools": [
+        {"name": "deploy"}, {"name": "balance"},
+        {"name": "review", "execution": {"taskSupport": "required"}},
+        {"name": "build", "execution": {"taskSupport": "forbidden"}}, "junk",
+    ]}  # fmt: skip
+    assert mcp.offer_tasks(result, lambda name: name != "balance")
+    support = [tool.get("execution") for tool in result["tools"][:4]]
+    assert support == [
+        {"taskSupport": "optional"}, None, {"taskSupport": "required"}, {"taskSupport": "optional"},
+    ]  # fmt: skip
+    assert not mcp.offer_tasks({"tools": [{"name": "balance"}]}, lambda name: False)
+
+
+def _progress(message: str, size: int = 0) -> bytes:
+    note = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {
+        "progressToken": "tool-proxy", "progress": 1, "message": message + "x" * size,
+    }}  # fmt: skip
+    return json.dumps(note).encode()
+
+
+def test_shared_progress_reaches_other_processes_only_the_latest_and_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit: two ``Followers`` on one store, as two replicas. The worker's process hands
+    its progress to its own followers once (its value in the store is not read back); the
+    other one reads the latest from the store; a note past the bound is not shared."""
+    monkeypatch.setattr(mcp_tasks, "PROGRESS_POLL_SECONDS", 0.01)
+    key = RecordKey("slot", "name")
+
+    async def scenario() -> tuple[list[bytes], list[bytes], bytes | None]:
+        store = MemoryStore()
+        worker, other = mcp_tasks.Followers(store, None), mcp_tasks.Followers(store, None)
+        with worker.follow(key) as here, other.follow(key) as there:
+            with worker.running(key):
+                for message in ("one", "two", "three"):
+                    worker.publish(key, _progress(message))
+                    worker.share(key, _progress(message))
+                await worker.flush(key)
+                worker.share(key, _progress("big", mcp_tasks.MAX_SHARED_PROGRESS_BYTES))
+                await worker.flush(key)
+            async with asyncio.timeout(5):
+                got = [await there.get()]
+            await worker.settle(key)  # its own value: not handed to its followers again
+            await other.settle(key)  # seen already: not again
+            mine = [here.get_nowait() for _ in range(here.qsize())]
+            got += [there.get_nowait() for _ in range(there.qsize())]
+        return mine, got, await store.get_value(mcp_tasks.progress_key(key))
+
+    mine, got, kept = asyncio.run(scenario())
+    assert [json.loads(n)["params"]["message"] for n in mine] == ["one", "two", "three"]
+    assert [json.loads(n)["params"]["message"] for n in got] == ["three"]
+    assert kept is not None and b"big" not in kept
