@@ -23,306 +23,240 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from proxy.config.auth import (
-    DEFAULT_ALGORITHMS as DEFAULT_ALGORITHMS,
-)
-from proxy.config.auth import (
-    DEFAULT_JWKS_TTL as DEFAULT_JWKS_TTL,
-)
-from proxy.config.auth import (
-    DEFAULT_LEEWAY as DEFAULT_LEEWAY,
-)
-from proxy.config.auth import (
-    DEFAULT_PRINCIPAL_CLAIMS as DEFAULT_PRINCIPAL_CLAIMS,
-)
-from proxy.config.auth import (
-    DEFAULT_REFRESH_AHEAD as DEFAULT_REFRESH_AHEAD,
-)
-from proxy.config.auth import (
-    DEFAULT_ROLES_CLAIM as DEFAULT_ROLES_CLAIM,
-)
-from proxy.config.auth import (
-    DEFAULT_TOKEN_CACHE_ENTRIES as DEFAULT_TOKEN_CACHE_ENTRIES,
-)
-from proxy.config.auth import (
-    TOKEN_TIMEOUT_SECONDS as TOKEN_TIMEOUT_SECONDS,
-)
-from proxy.config.auth import (
-    AdminConfig as AdminConfig,
-)
-from proxy.config.auth import (
-    AuthConfig as AuthConfig,
-)
-from proxy.config.auth import (
-    IssuerConfig as IssuerConfig,
-)
-from proxy.config.auth import (
-    RouteAuthConfig as RouteAuthConfig,
-)
-from proxy.config.auth import (
-    TokenConfig as TokenConfig,
-)
-from proxy.config.auth import (
-    TokenMode as TokenMode,
+    DEFAULT_ALGORITHMS,
+    DEFAULT_JWKS_TTL,
+    DEFAULT_LEEWAY,
+    DEFAULT_PRINCIPAL_CLAIMS,
+    DEFAULT_REFRESH_AHEAD,
+    DEFAULT_ROLES_CLAIM,
+    DEFAULT_TOKEN_CACHE_ENTRIES,
+    TOKEN_TIMEOUT_SECONDS,
+    AdminConfig,
+    AuthConfig,
+    IssuerConfig,
+    RouteAuthConfig,
+    TokenConfig,
+    TokenMode,
 )
 from proxy.config.cache import (
-    CACHEABLE_STATUSES as CACHEABLE_STATUSES,
-)
-from proxy.config.cache import (
-    DEFAULT_CACHE_MAX_BYTES as DEFAULT_CACHE_MAX_BYTES,
-)
-from proxy.config.cache import (
-    DEFAULT_CACHE_METHODS as DEFAULT_CACHE_METHODS,
-)
-from proxy.config.cache import (
-    DEFAULT_CACHE_STATUSES as DEFAULT_CACHE_STATUSES,
-)
-from proxy.config.cache import (
-    DEFAULT_CACHE_TTL as DEFAULT_CACHE_TTL,
-)
-from proxy.config.cache import (
-    CacheConfig as CacheConfig,
-)
-from proxy.config.cache import (
-    CachedTools as CachedTools,
-)
-from proxy.config.cache import (
-    CacheScope as CacheScope,
+    CACHEABLE_STATUSES,
+    DEFAULT_CACHE_MAX_BYTES,
+    DEFAULT_CACHE_METHODS,
+    DEFAULT_CACHE_STATUSES,
+    DEFAULT_CACHE_TTL,
+    CacheConfig,
+    CachedTools,
+    CacheScope,
 )
 from proxy.config.fields import (
-    HEADER_NAME as HEADER_NAME,
-)
-from proxy.config.fields import (
-    METHOD as METHOD,
-)
-from proxy.config.fields import (
-    Duration as Duration,
-)
-from proxy.config.fields import (
-    Strict as Strict,
-)
-from proxy.config.fields import (
-    Wait as Wait,
-)
-from proxy.config.fields import (
-    check_json_source as check_json_source,
-)
-from proxy.config.fields import (
-    check_name as check_name,
-)
-from proxy.config.fields import (
-    check_statuses as check_statuses,
-)
-from proxy.config.fields import (
-    entries as entries,
-)
-from proxy.config.fields import (
-    parse_duration as parse_duration,
-)
-from proxy.config.fields import (
-    parse_wait as parse_wait,
+    HEADER_NAME,
+    METHOD,
+    Duration,
+    Strict,
+    Wait,
+    check_entries,
+    check_json_source,
+    check_name,
+    check_statuses,
+    parse_duration,
+    parse_wait,
 )
 from proxy.config.idempotency import (
-    DEFAULT_LOCK_TTL as DEFAULT_LOCK_TTL,
-)
-from proxy.config.idempotency import (
-    DEFAULT_METHODS as DEFAULT_METHODS,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RECONCILE_INTERVAL as DEFAULT_RECONCILE_INTERVAL,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RECONCILE_RETRIES as DEFAULT_RECONCILE_RETRIES,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RECONCILE_TIMEOUT as DEFAULT_RECONCILE_TIMEOUT,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RELEASE_ON_STATUS as DEFAULT_RELEASE_ON_STATUS,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RESULT_TTL as DEFAULT_RESULT_TTL,
-)
-from proxy.config.idempotency import (
-    DEFAULT_RETRY_AFTER as DEFAULT_RETRY_AFTER,
-)
-from proxy.config.idempotency import (
-    IdempotencyConfig as IdempotencyConfig,
-)
-from proxy.config.idempotency import (
-    LapsedLease as LapsedLease,
-)
-from proxy.config.idempotency import (
-    ReconcileConfig as ReconcileConfig,
+    DEFAULT_LOCK_TTL,
+    DEFAULT_METHODS,
+    DEFAULT_RECONCILE_INTERVAL,
+    DEFAULT_RECONCILE_RETRIES,
+    DEFAULT_RECONCILE_TIMEOUT,
+    DEFAULT_RELEASE_ON_STATUS,
+    DEFAULT_RESULT_TTL,
+    DEFAULT_RETRY_AFTER,
+    IdempotencyConfig,
+    LapsedLease,
+    ReconcileConfig,
 )
 from proxy.config.jobs import (
-    DEFAULT_ASYNC_ATTEMPTS as DEFAULT_ASYNC_ATTEMPTS,
-)
-from proxy.config.jobs import (
-    DEFAULT_ASYNC_BACKOFF as DEFAULT_ASYNC_BACKOFF,
-)
-from proxy.config.jobs import (
-    DEFAULT_ASYNC_BACKOFF_MAX as DEFAULT_ASYNC_BACKOFF_MAX,
-)
-from proxy.config.jobs import (
-    DEFAULT_ASYNC_MAX_QUEUED as DEFAULT_ASYNC_MAX_QUEUED,
-)
-from proxy.config.jobs import (
-    DEFAULT_ASYNC_VISIBILITY as DEFAULT_ASYNC_VISIBILITY,
-)
-from proxy.config.jobs import (
-    DEFAULT_WORKERS as DEFAULT_WORKERS,
-)
-from proxy.config.jobs import (
-    AsyncConfig as AsyncConfig,
-)
-from proxy.config.jobs import (
-    AsyncMode as AsyncMode,
-)
-from proxy.config.jobs import (
-    CredentialsAtRest as CredentialsAtRest,
-)
-from proxy.config.jobs import (
-    WorkersConfig as WorkersConfig,
+    DEFAULT_ASYNC_ATTEMPTS,
+    DEFAULT_ASYNC_BACKOFF,
+    DEFAULT_ASYNC_BACKOFF_MAX,
+    DEFAULT_ASYNC_MAX_QUEUED,
+    DEFAULT_ASYNC_VISIBILITY,
+    DEFAULT_WORKERS,
+    AsyncConfig,
+    AsyncMode,
+    CredentialsAtRest,
+    WorkersConfig,
 )
 from proxy.config.limits import (
-    DEFAULT_PAUSE_MAX as DEFAULT_PAUSE_MAX,
-)
-from proxy.config.limits import (
-    DEFAULT_SLOT_TTL as DEFAULT_SLOT_TTL,
-)
-from proxy.config.limits import (
-    CostConfig as CostConfig,
-)
-from proxy.config.limits import (
-    LimitConfig as LimitConfig,
-)
-from proxy.config.limits import (
-    PauseScope as PauseScope,
-)
-from proxy.config.limits import (
-    StoreDown as StoreDown,
-)
-from proxy.config.limits import (
-    parse_rate as parse_rate,
+    DEFAULT_PAUSE_MAX,
+    DEFAULT_SLOT_TTL,
+    CostConfig,
+    LimitConfig,
+    PauseScope,
+    StoreDown,
+    parse_rate,
 )
 from proxy.config.mcp import (
-    DEFAULT_KEY_META as DEFAULT_KEY_META,
-)
-from proxy.config.mcp import (
-    DEFAULT_MAX_ANSWER_BYTES as DEFAULT_MAX_ANSWER_BYTES,
-)
-from proxy.config.mcp import (
-    McpConfig as McpConfig,
-)
-from proxy.config.mcp import (
-    McpGuard as McpGuard,
-)
-from proxy.config.mcp import (
-    RouteProtocol as RouteProtocol,
+    DEFAULT_KEY_META,
+    DEFAULT_MAX_ANSWER_BYTES,
+    McpConfig,
+    McpGuard,
+    RouteProtocol,
 )
 from proxy.config.offload import (
-    DEFAULT_OFFLOAD_THRESHOLD as DEFAULT_OFFLOAD_THRESHOLD,
-)
-from proxy.config.offload import (
-    DEFAULT_PRESIGN_TTL as DEFAULT_PRESIGN_TTL,
-)
-from proxy.config.offload import (
-    OffloadConfig as OffloadConfig,
+    DEFAULT_OFFLOAD_THRESHOLD,
+    DEFAULT_PRESIGN_TTL,
+    OffloadConfig,
 )
 from proxy.config.resources import (
-    DEFAULT_FENCING_HEADER as DEFAULT_FENCING_HEADER,
-)
-from proxy.config.resources import (
-    DEFAULT_RESOURCE_LOCK_TTL as DEFAULT_RESOURCE_LOCK_TTL,
-)
-from proxy.config.resources import (
-    DEFAULT_RESOURCE_WAIT as DEFAULT_RESOURCE_WAIT,
-)
-from proxy.config.resources import (
-    DEFAULT_VERSION_TTL as DEFAULT_VERSION_TTL,
-)
-from proxy.config.resources import (
-    DEFAULT_VERSIONED_METHODS as DEFAULT_VERSIONED_METHODS,
-)
-from proxy.config.resources import (
-    LockConfig as LockConfig,
-)
-from proxy.config.resources import (
-    VersioningConfig as VersioningConfig,
-)
-from proxy.config.resources import (
-    check_resource_key as check_resource_key,
+    DEFAULT_FENCING_HEADER,
+    DEFAULT_RESOURCE_LOCK_TTL,
+    DEFAULT_RESOURCE_WAIT,
+    DEFAULT_VERSION_TTL,
+    DEFAULT_VERSIONED_METHODS,
+    LockConfig,
+    VersioningConfig,
+    check_resource_key,
 )
 from proxy.config.routes import (
-    DEFAULT_TIMEOUT as DEFAULT_TIMEOUT,
-)
-from proxy.config.routes import (
-    RESERVED_PREFIX as RESERVED_PREFIX,
-)
-from proxy.config.routes import (
-    RouteConfig as RouteConfig,
+    DEFAULT_TIMEOUT,
+    RESERVED_PREFIX,
+    RouteConfig,
 )
 from proxy.config.server import (
-    DEFAULT_HOST as DEFAULT_HOST,
-)
-from proxy.config.server import (
-    DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES,
-)
-from proxy.config.server import (
-    DEFAULT_MAX_HEADER_BYTES as DEFAULT_MAX_HEADER_BYTES,
-)
-from proxy.config.server import (
-    DEFAULT_MAX_JSON_DEPTH as DEFAULT_MAX_JSON_DEPTH,
-)
-from proxy.config.server import (
-    DEFAULT_PORT as DEFAULT_PORT,
-)
-from proxy.config.server import (
-    MAX_JSON_DEPTH_LIMIT as MAX_JSON_DEPTH_LIMIT,
-)
-from proxy.config.server import (
-    MIN_HEADER_BYTES as MIN_HEADER_BYTES,
-)
-from proxy.config.server import (
-    LimitsConfig as LimitsConfig,
-)
-from proxy.config.server import (
-    ServerConfig as ServerConfig,
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_JSON_DEPTH,
+    DEFAULT_PORT,
+    MAX_JSON_DEPTH_LIMIT,
+    MIN_HEADER_BYTES,
+    LimitsConfig,
+    ServerConfig,
 )
 from proxy.config.store import (
-    DEFAULT_DURABILITY_TIMEOUT as DEFAULT_DURABILITY_TIMEOUT,
-)
-from proxy.config.store import (
-    DEFAULT_STATE_DIR as DEFAULT_STATE_DIR,
-)
-from proxy.config.store import (
-    DEFAULT_STORE_URL as DEFAULT_STORE_URL,
-)
-from proxy.config.store import (
-    MAX_DURABILITY_REPLICAS as MAX_DURABILITY_REPLICAS,
-)
-from proxy.config.store import (
-    MAX_DURABILITY_TIMEOUT as MAX_DURABILITY_TIMEOUT,
-)
-from proxy.config.store import (
-    DurabilityConfig as DurabilityConfig,
-)
-from proxy.config.store import (
-    StoreConfig as StoreConfig,
-)
-from proxy.config.store import (
-    check_store_url as check_store_url,
+    DEFAULT_DURABILITY_TIMEOUT,
+    DEFAULT_STATE_DIR,
+    DEFAULT_STORE_URL,
+    MAX_DURABILITY_REPLICAS,
+    MAX_DURABILITY_TIMEOUT,
+    DurabilityConfig,
+    StoreConfig,
+    check_store_url,
 )
 from proxy.errors import ConfigError
 
-ENV_CONFIG = "TOOL_PROXY_CONFIG"
+__all__ = [
+    "CACHEABLE_STATUSES",
+    "DEFAULT_ALGORITHMS",
+    "DEFAULT_ASYNC_ATTEMPTS",
+    "DEFAULT_ASYNC_BACKOFF",
+    "DEFAULT_ASYNC_BACKOFF_MAX",
+    "DEFAULT_ASYNC_MAX_QUEUED",
+    "DEFAULT_ASYNC_VISIBILITY",
+    "DEFAULT_CACHE_MAX_BYTES",
+    "DEFAULT_CACHE_METHODS",
+    "DEFAULT_CACHE_STATUSES",
+    "DEFAULT_CACHE_TTL",
+    "DEFAULT_DURABILITY_TIMEOUT",
+    "DEFAULT_FENCING_HEADER",
+    "DEFAULT_HOST",
+    "DEFAULT_JWKS_TTL",
+    "DEFAULT_KEY_META",
+    "DEFAULT_LEEWAY",
+    "DEFAULT_LOCK_TTL",
+    "DEFAULT_MAX_ANSWER_BYTES",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "DEFAULT_MAX_JSON_DEPTH",
+    "DEFAULT_METHODS",
+    "DEFAULT_OFFLOAD_THRESHOLD",
+    "DEFAULT_PAUSE_MAX",
+    "DEFAULT_PORT",
+    "DEFAULT_PRESIGN_TTL",
+    "DEFAULT_PRINCIPAL_CLAIMS",
+    "DEFAULT_RECONCILE_INTERVAL",
+    "DEFAULT_RECONCILE_RETRIES",
+    "DEFAULT_RECONCILE_TIMEOUT",
+    "DEFAULT_REFRESH_AHEAD",
+    "DEFAULT_RELEASE_ON_STATUS",
+    "DEFAULT_RESOURCE_LOCK_TTL",
+    "DEFAULT_RESOURCE_WAIT",
+    "DEFAULT_RESULT_TTL",
+    "DEFAULT_RETRY_AFTER",
+    "DEFAULT_ROLES_CLAIM",
+    "DEFAULT_SLOT_TTL",
+    "DEFAULT_STATE_DIR",
+    "DEFAULT_STORE_URL",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_TOKEN_CACHE_ENTRIES",
+    "DEFAULT_VERSIONED_METHODS",
+    "DEFAULT_VERSION_TTL",
+    "DEFAULT_WORKERS",
+    "ENV_CONFIG",
+    "ENV_HOST",
+    "ENV_STATE_DIR",
+    "ENV_STORE_URL",
+    "HEADER_NAME",
+    "MAX_DURABILITY_REPLICAS",
+    "MAX_DURABILITY_TIMEOUT",
+    "MAX_JSON_DEPTH_LIMIT",
+    "METHOD",
+    "MIN_HEADER_BYTES",
+    "RESERVED_PREFIX",
+    "TOKEN_TIMEOUT_SECONDS",
+    "AdminConfig",
+    "AsyncConfig",
+    "AsyncMode",
+    "AuthConfig",
+    "CacheConfig",
+    "CacheScope",
+    "CachedTools",
+    "Config",
+    "CostConfig",
+    "CredentialsAtRest",
+    "DurabilityConfig",
+    "Duration",
+    "IdempotencyConfig",
+    "IssuerConfig",
+    "LapsedLease",
+    "LimitConfig",
+    "LimitsConfig",
+    "LockConfig",
+    "McpConfig",
+    "McpGuard",
+    "OffloadConfig",
+    "PauseScope",
+    "ReconcileConfig",
+    "RouteAuthConfig",
+    "RouteConfig",
+    "RouteProtocol",
+    "ServerConfig",
+    "StoreConfig",
+    "StoreDown",
+    "Strict",
+    "TokenConfig",
+    "TokenMode",
+    "VersioningConfig",
+    "Wait",
+    "WorkersConfig",
+    "check_entries",
+    "check_json_source",
+    "check_name",
+    "check_resource_key",
+    "check_statuses",
+    "check_store_url",
+    "load_config",
+    "parse_config",
+    "parse_duration",
+    "parse_rate",
+    "parse_wait",
+]
 
+ENV_CONFIG = "TOOL_PROXY_CONFIG"
 
 ENV_STORE_URL = "TOOL_PROXY_STORE_URL"
 
-
 ENV_STATE_DIR = "TOOL_PROXY_STATE_DIR"
-
 
 # The address `serve` binds (--host), for the app in each worker: the Host checks follow it.
 ENV_HOST = "TOOL_PROXY_HOST"

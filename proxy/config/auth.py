@@ -15,31 +15,24 @@ from proxy.config.fields import Duration, Strict
 # Token signatures accepted unless an issuer pins others (never symmetric ones or none).
 DEFAULT_ALGORITHMS = ("RS256", "ES256")
 
-
 # Clock skew tolerated on exp, nbf and iat.
 DEFAULT_LEEWAY = 30.0
-
 
 # The claims whose values scope idempotency records to one caller.
 DEFAULT_PRINCIPAL_CLAIMS = ("iss", "sub")
 
-
 # Downstream tokens are renewed at this fraction of their lifetime.
 DEFAULT_REFRESH_AHEAD = 0.8
-
 
 # Downstream tokens kept in each process at most (auth.token_cache_entries): one per route,
 # user and grant in use; the least recently used is evicted first.
 DEFAULT_TOKEN_CACHE_ENTRIES = 10_000
 
-
 # How long fetched signing keys are trusted before they are fetched again.
 DEFAULT_JWKS_TTL = 300.0
 
-
 # The JWT claim holding an operator's roles (admin.role must be one of them).
 DEFAULT_ROLES_CLAIM = "roles"
-
 
 _ASYMMETRIC_ALGORITHMS = (
     "RS256",

@@ -14,20 +14,16 @@ from proxy.config.fields import METHOD, Duration, Strict, Wait, check_statuses
 # How long a cached answer is served (routes[].cache.ttl), unless the tool says less.
 DEFAULT_CACHE_TTL = 24 * 3600.0
 
-
 # The methods whose answers are cached by default (HEAD never is: it has no body to keep).
 DEFAULT_CACHE_METHODS = ("GET", "POST")
-
 
 # Statuses cached by default: the successful ones that RFC 9111 lets a cache reuse
 # without explicit freshness (heuristically cacheable).
 DEFAULT_CACHE_STATUSES = (200, 203, 204)
 
-
 # What cache.statuses may hold: RFC 9111 4.2.2's heuristically cacheable statuses but 206
 # (the proxy does not combine ranges).
 CACHEABLE_STATUSES = frozenset({200, 203, 204, 300, 301, 308, 404, 405, 410, 414, 501})
-
 
 # The largest answer body the cache keeps (larger ones are passed on, not stored).
 DEFAULT_CACHE_MAX_BYTES = 10 * 1024 * 1024

@@ -16,15 +16,11 @@ from pydantic import (
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
-
 
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
-
 METHOD = re.compile(r"[A-Z]{1,20}")
-
 
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
 
@@ -72,7 +68,6 @@ def parse_wait(value: Any) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
-
 Wait = Annotated[float, BeforeValidator(parse_wait)]
 
 
@@ -80,7 +75,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def entries(entries: tuple[str, ...], check: Callable[[str], str]) -> tuple[str, ...]:
+def check_entries(entries: tuple[str, ...], check: Callable[[str], str]) -> tuple[str, ...]:
     if not entries:
         raise ValueError("at least one entry (or leave it out for the default)")
     return tuple(check(entry) for entry in entries)

@@ -17,32 +17,25 @@ from proxy.keys import Canonicalization, KeyKind
 # Guarded by default: the non-idempotent methods.
 DEFAULT_METHODS = ("POST", "PATCH")
 
-
 # The IN_PROGRESS lease; renewed every lock_ttl/3 while the upstream works.
 DEFAULT_LOCK_TTL = 120.0
-
 
 # How long COMPLETED and FAILED outcomes are replayed.
 DEFAULT_RESULT_TTL = 24 * 3600.0
 
-
 # Retry-After sent with a 409 (capped by the time left on the lease).
 DEFAULT_RETRY_AFTER = 5.0
-
 
 # Upstream statuses that are passed on but release the key, so a retry executes: only
 # those that mean "not run". 502 and 504 are opt-in: behind an ingress, a mesh or a load
 # balancer they come after the tool may have run the call.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 503)
 
-
 # How long a reconcile look-up may take, and how often a proxy asks again about one FAILED
 # record when retries meet it (at least RECONCILE_INTERVAL apart).
 DEFAULT_RECONCILE_TIMEOUT = 5.0
 
-
 DEFAULT_RECONCILE_RETRIES = 3
-
 
 DEFAULT_RECONCILE_INTERVAL = 5.0
 
@@ -96,7 +89,6 @@ class IdempotencyConfig(Strict):
 
 
 _RECONCILE_FIELDS = frozenset({"key", "plan", "step", "args_hash"})
-
 
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 

@@ -24,11 +24,9 @@ from proxy.config.fields import (
 # hostile Retry-After cannot stop a caller, or a route, for longer.
 DEFAULT_PAUSE_MAX = 60.0
 
-
 # A concurrency slot's lease (routes[].limits[].slot_ttl): renewed every third of it while
 # the call runs; the slots of a replica that dies are free again at most this long after.
 DEFAULT_SLOT_TTL = 10.0
-
 
 _QUOTA = re.compile(r"\d+(?:\.\d+)?")
 

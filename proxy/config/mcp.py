@@ -31,13 +31,11 @@ class McpGuard(StrEnum):
 # Where an MCP client may send its key besides the header: params._meta.<this>.
 DEFAULT_KEY_META = "idempotencyKey"
 
-
 # The most of a guarded tools/call's answer the proxy holds while it reads it whole: the
 # final JSON-RPC response and the part of the SSE stream not yet parsed (progress read
 # and dropped does not count). Past it (or past what the route can record, without
 # offload) the call is recorded as executed, its result not kept.
 DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
-
 
 _META_NAME = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 

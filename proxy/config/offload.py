@@ -12,10 +12,8 @@ from proxy.config.fields import Duration, Strict
 # Response bodies above this go to object storage when `offload` is configured.
 DEFAULT_OFFLOAD_THRESHOLD = 100 * 1024
 
-
 # How long a presigned URL of an offloaded body (offload.presign) stays valid.
 DEFAULT_PRESIGN_TTL = 300.0
-
 
 _OFFLOAD_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "file", "memory")
 

@@ -13,14 +13,11 @@ from proxy.numbers import whole
 # runs; the lock of a replica that dies is free again at most this long after.
 DEFAULT_RESOURCE_LOCK_TTL = 30.0
 
-
 # How long a call waits for a resource's lock (routes[].lock.wait, versioning.wait).
 DEFAULT_RESOURCE_WAIT = 10.0
 
-
 # The request header that carries the lock's fencing token to the tool.
 DEFAULT_FENCING_HEADER = "Fencing-Token"
-
 
 # Headers a fencing token may not take the place of.
 _PROXY_HEADERS = frozenset(
@@ -40,7 +37,6 @@ _PROXY_HEADERS = frozenset(
 
 # The writes that versioning checks and counts by default.
 DEFAULT_VERSIONED_METHODS = ("PUT", "PATCH", "POST")
-
 
 # How long the store keeps a resource's version after its last read or write
 # (routes[].versioning.ttl): longer than an agent takes from a read to its write back.

@@ -23,7 +23,6 @@ from proxy.keys import KeyKind
 # The whole upstream exchange (connect, send, wait, read) must fit in this.
 DEFAULT_TIMEOUT = 30.0
 
-
 # Paths under this prefix are the proxy's own (/_proxy/healthz, /_proxy/readyz).
 RESERVED_PREFIX = "/_proxy"
 

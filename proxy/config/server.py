@@ -7,19 +7,16 @@ from pydantic import (
     field_validator,
 )
 
-from proxy.config.fields import Strict, entries
+from proxy.config.fields import Strict, check_entries
 from proxy.hosts import check_host_entry, check_origin_entry
 
 # Where `serve` listens unless the file or --host/--port say otherwise.
 DEFAULT_HOST = "0.0.0.0"
 
-
 DEFAULT_PORT = 8080
-
 
 # Request bodies above this get 413 and are never forwarded (10 MiB).
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
-
 
 # JSON bodies that nest arrays and objects deeper than this are refused before they are
 # parsed (400). serde_json's default; tool arguments nest a few levels (structured
@@ -27,15 +24,12 @@ DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 # recurse once per level, stay far below Python's recursion limit (1000).
 DEFAULT_MAX_JSON_DEPTH = 128
 
-
 # The most that limits.max_json_depth may be: room left under Python's recursion limit.
 MAX_JSON_DEPTH_LIMIT = 512
-
 
 # A request head (request line and header lines) above this gets 431: Envoy's default
 # (60 KiB); nginx allows 32 KiB in all (4 lines of 8 KiB). Room for large bearer tokens.
 DEFAULT_MAX_HEADER_BYTES = 60 * 1024
-
 
 # The least that limits.max_header_bytes may be.
 MIN_HEADER_BYTES = 1024
@@ -54,12 +48,12 @@ class ServerConfig(Strict):
     @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        return None if hosts is None else entries(hosts, check_host_entry)
+        return None if hosts is None else check_entries(hosts, check_host_entry)
 
     @field_validator("allowed_origins")
     @classmethod
     def _origins(cls, origins: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        return None if origins is None else entries(origins, check_origin_entry)
+        return None if origins is None else check_entries(origins, check_origin_entry)
 
 
 class LimitsConfig(Strict):

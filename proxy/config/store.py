@@ -14,26 +14,20 @@ from proxy.store.base import Durability
 # The store used when the file names none: the embedded SQLite database.
 DEFAULT_STORE_URL = "sqlite:///var/lib/tool-proxy/state.db"
 
-
 # Where the journal lives when the store is Redis and no state_dir is configured (for
 # SQLite: the database's directory; memory:// keeps no journal).
 DEFAULT_STATE_DIR = "/var/lib/tool-proxy"
-
 
 # store.durability: how long a claim or an outcome waits for its replicas by default, and
 # at most (a WAIT holds back every command behind it on the connection requests share).
 DEFAULT_DURABILITY_TIMEOUT = 0.2
 
-
 MAX_DURABILITY_TIMEOUT = 5.0
-
 
 # The most replicas store.durability.replicas may ask for (Redis counts them in an int).
 MAX_DURABILITY_REPLICAS = 64
 
-
 _STORE_SCHEMES = ("memory", "sqlite", "redis", "rediss", "postgresql", "postgres")
-
 
 # Redis Cluster (seed nodes) and Sentinel (the sentinels, then /<master-name>).
 _REDIS_TOPOLOGIES = ("+cluster", "+sentinel")
