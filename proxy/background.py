@@ -38,7 +38,8 @@ class TaskSet:
 
     def leave(self) -> None:
         self._calls -= 1
-        self._check_idle()
+        if self._idle is not None:  # a drain waits
+            self._check_idle()
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

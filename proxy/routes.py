@@ -37,19 +37,33 @@ def _under(path: str, prefix: str) -> bool:
     return prefix == "/" or path == prefix or path.startswith(prefix + "/")
 
 
+def _first_segment(path: str) -> str:
+    """``tools`` of ``/tools/charge`` (and of ``/tools``); ``""`` of ``/``."""
+    return path.split("/", 2)[1] if path.startswith("/") else ""
+
+
 class Router:
-    """Routes sorted by prefix length, longest first."""
+    """Routes by the first segment of their prefix, each segment's longest first; a
+    request is matched against its own segment's routes, then the root route's."""
 
     def __init__(self, routes: Iterable[RouteConfig]) -> None:
         self.routes = sorted(routes, key=lambda r: len(r.path_prefix), reverse=True)
+        self._by_segment: dict[str, tuple[RouteConfig, ...]] = {}
+        for route in self.routes:
+            segment = "" if route.path_prefix == "/" else _first_segment(route.path_prefix)
+            self._by_segment[segment] = (*self._by_segment.get(segment, ()), route)
+        self._root = self._by_segment.pop("", ())
 
     def match(self, path: str) -> RouteConfig:
-        """The route for ``path`` or ``RouteNotFound`` (never for the proxy's own paths)."""
+        """The route for ``path`` or ``RouteNotFound`` (never for the proxy's own paths):
+        the longest prefix that ``path`` is under."""
         if _under(path, RESERVED_PREFIX):
             raise RouteNotFound(f"{path} is not one of the proxy's own endpoints")
-        for route in self.routes:
+        for route in self._by_segment.get(_first_segment(path), ()):
             if _under(path, route.path_prefix):
                 return route
+        if self._root:
+            return self._root[0]
         raise RouteNotFound(f"no route serves {path}")
 
 

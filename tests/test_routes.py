@@ -21,6 +21,32 @@ def test_longest_prefix_wins_on_segment_boundaries() -> None:
         Router([make("tools", "/tools")]).match("/toolsx")
 
 
+def test_the_segment_index_matches_as_the_longest_prefix_does() -> None:
+    """Every path of many against many prefixes: the index finds the route that the
+    longest prefix a path is under names (or none), as a scan of every route would."""
+    prefixes = ["/a", "/a/b", "/a/b/c", "/ab", "/b", "/b/a", "/c/d", "/a/bc"]
+    paths = ["/", "/a", "/a/", "/a/b", "/a/bc", "/a/b/c/d", "/ab/x", "/abc", "/b/a/b", "/c"]
+    paths += ["/c/d", "/c/de", "/d", "/a/b/cd", "/_proxyx"]
+    for with_root in (False, True):
+        routes = [make(f"r{i}", prefix) for i, prefix in enumerate(prefixes)]
+        routes += [make("root", "/")] if with_root else []
+        router = Router(routes)
+        for path in paths:
+            under = [
+                r
+                for r in routes
+                if r.path_prefix == "/"
+                or path == r.path_prefix
+                or path.startswith(r.path_prefix + "/")
+            ]
+            expected = max(under, key=lambda r: len(r.path_prefix), default=None)
+            if expected is None:
+                with pytest.raises(RouteNotFound):
+                    router.match(path)
+            else:
+                assert router.match(path).name == expected.name, path
+
+
 @pytest.mark.parametrize(
     ("path", "raw"),
     [

@@ -150,7 +150,10 @@ class MemoryStore:
         created = entry.record.created_at if entry is not None else wall
         ow = successor or owner
         record = Record(state, fingerprint, ow, result_ttl, payload, None, created, wall)
-        self._put(key, _Entry(record, self._clock() + result_ttl))
+        if entry is None:
+            self._put(key, _Entry(record, self._clock() + result_ttl))
+        else:  # already in its scope's index
+            self._records[key] = _Entry(record, self._clock() + result_ttl)
         return True
 
     async def release(self, key: RecordKey, owner: str) -> bool:
