@@ -514,6 +514,55 @@ async def test_redis_reloads_its_scripts_for_a_whole_batch(redis_server: RedisSe
         await store.close()
 
 
+@pytest.mark.parametrize("synchronous", ["full", "normal"])
+async def test_sqlite_counts_replays_whatever_its_synchronous(
+    tmp_path: Path, synchronous: str
+) -> None:
+    """Under ``full`` the count is a transaction of its own that does not wait for the
+    disk (it would sync the WAL at every replay); under ``normal``, in the claim's."""
+    store = make_store(f"sqlite://{tmp_path}/state.db?synchronous={synchronous}")
+    await store.open()
+    try:
+        await store.claim(KEY, "fp", "a", LOCK, RESULT)
+        await store.complete(KEY, "a", "fp", State.COMPLETED, b"done", RESULT)
+        for n in (1, 2):
+            found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+            assert found.record is not None and found.record.replays == n
+        got = await store.get(KEY)
+        assert got is not None and got.replays == 2
+        assert isinstance(store, SQLiteStore)  # its connection is back to its own level
+        level = await store._run(lambda: store._conn().execute("PRAGMA synchronous").fetchone())
+        assert level == ({"full": 2, "normal": 1}[synchronous],)
+    finally:
+        await store.close()
+
+
+async def test_sqlite_adds_the_replays_column_to_a_file_of_an_earlier_release(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE step_records (slot TEXT NOT NULL, name TEXT NOT NULL,"
+            " scope TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL,"
+            " owner TEXT NOT NULL, lease_until REAL NOT NULL DEFAULT 0,"
+            " expires_at REAL NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,"
+            " payload BLOB NOT NULL DEFAULT x'', PRIMARY KEY (slot, name)) WITHOUT ROWID"
+        )
+        db.execute(
+            "INSERT INTO step_records VALUES (?, ?, ?, 'completed', 'fp', 'a', 0, 9e9, 1, 1,"
+            " x'00')",
+            (*KEY, KEY.scope),
+        )
+    store = make_store(f"sqlite://{path}")
+    await store.open()
+    try:
+        found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+        assert found.record is not None and found.record.replays == 1
+    finally:
+        await store.close()
+
+
 async def test_sqlite_survives_a_restart(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path}/state.db"
     first = make_store(url)
