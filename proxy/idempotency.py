@@ -418,8 +418,13 @@ class Guard:
     async def claim_job(self, op: Operation, owner: str, queued_ttl: float) -> Record | None:
         """Claim ``op`` for a job (a lease of ``queued_ttl``, the longest a job waits in its
         queue); None once claimed, else the record found (422 if it is another call's)."""
-        claim = await self.store.claim(
-            op.key, op.fingerprint, owner, queued_ttl, self.job_record_ttl(queued_ttl)
+        claim = await self.store.claim(  # a finished record found is replayed by ``run``:
+            op.key,  # counted there, not here
+            op.fingerprint,
+            owner,
+            queued_ttl,
+            self.job_record_ttl(queued_ttl),
+            replay=False,
         )
         if claim.record is not None:
             self._check_fingerprint(claim.record, op)

@@ -778,7 +778,7 @@ async def requeue(job: Job, route: RouteConfig, store: Store, queue: Queue) -> J
         current = await queue.get(job.id) if taken else None
         if current is None or current.state is not JobState.DEAD:  # e.g. requeued already
             return None
-        claim = await store.claim(key, fingerprint, owner, queued, ttl)
+        claim = await store.claim(key, fingerprint, owner, queued, ttl, replay=False)
         if not claim.claimed:
             return None
         moved = await queue.move(job.id, DEAD, JobState.QUEUED, attempts=0, sent=False, error=b"")

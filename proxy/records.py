@@ -157,6 +157,7 @@ def step_view(record: Record) -> dict[str, Any]:
         "created_at": iso(record.created_at),
         "updated_at": iso(record.updated_at),
         "replayable": replayable(record, response),
+        "replays": record.replays,
         "lapsed": record.lapsed,
     }
 

@@ -106,6 +106,8 @@ def test_steps_lists_every_step_of_the_callers_plan(
     three_steps: tuple[ThreadServer, str], idp: IdentityProvider
 ) -> None:
     proxy, plan = three_steps
+    replay = post(proxy, "/tools/quick", new_key(BODY, 1, plan), idp.token("alice"))
+    assert replay.headers["idempotent-replayed"] == "true"
     answer = httpx.get(f"{proxy.url}/_proxy/sessions/{plan}/steps", headers=bearer(idp.token()))
     assert answer.status_code == 200, answer.text
     assert answer.json()["plan_session_id"] == plan
@@ -124,6 +126,7 @@ def test_steps_lists_every_step_of_the_callers_plan(
     )
     assert steps["2"]["problem"] == "urn:tool-proxy:problem:outcome-unknown"
     assert steps["2"]["lapsed"] is False
+    assert (steps["1"]["replays"], steps["2"]["replays"], steps["3"]["replays"]) == (1, 0, 0)
     assert (steps["3"]["state"], steps["3"]["status"]) == ("in_progress", None)
     assert steps["1"]["args_hash"] == new_key(BODY, 1, plan).rsplit(":", 1)[1]
     assert steps["1"]["created_at"].endswith("Z") and steps["1"]["updated_at"].endswith("Z")

@@ -450,6 +450,24 @@ def test_a_plan_shows_its_steps_and_replans(setup: Setup) -> None:
     assert "No record of plan session" in empty
 
 
+def test_a_plan_shows_the_replays_each_step_served(setup: Setup) -> None:
+    plan = "plan-replays"
+    first, second = new_key(BODY, 1, plan), new_key({"n": 2}, 2, plan)
+    assert setup.call(first).status_code == 201
+    assert setup.call(second, body={"n": 2}).status_code == 201
+    for _ in range(2):
+        replay = setup.call(first)
+        assert replay.status_code == 201 and replay.headers["idempotent-replayed"] == "true"
+    assert setup.call(first, body={"other": True}).status_code == 422  # not a replay
+    html = page(setup, "plans", plan=plan).text
+    assert '<th scope="col">Replays served</th>' in html
+    step_1, step_2 = html.split('<h2 class="step">Step 2')
+    assert '<td class="number">2</td>' in step_1
+    assert '<td class="number">0</td>' in step_2
+    detail = page(setup, f"records/{record_ids(step_1)[0]}").text
+    assert re.search(r"<dt>Replays served</dt><dd>2</dd>", detail)
+
+
 # -- operations --------------------------------------------------------------------------
 
 

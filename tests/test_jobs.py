@@ -206,6 +206,9 @@ def test_a_long_call_is_accepted_then_its_result_is_the_tools_answer(
     replay = post(proxy.url, key=key, query="?delay=1.5", **ASYNC)  # done: the recorded answer
     assert replay.status_code == 200 and replay.content == result.content
     assert tool.count(key) == 1
+    plan = key.split(":", 1)[0]  # one replay served, counted once (not by the job's claim)
+    (step,) = httpx.get(f"{proxy.url}/_proxy/sessions/{plan}/steps").json()["steps"]
+    assert step["replays"] == 1
 
 
 def test_an_answer_within_wait_is_given_at_once(

@@ -22,7 +22,7 @@ import yaml
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreError, StoreRefused, StoreUnavailable
-from proxy.store import RecordKey, State, make_buckets, make_locks, make_queue
+from proxy.store import RecordKey, State, make_buckets, make_locks, make_queue, postgres
 from proxy.store.buckets import Rate, Slots
 from proxy.store.postgres import (
     DEFAULT_POOL_MAX,
@@ -133,7 +133,7 @@ async def test_replicas_starting_at_once_apply_the_schema_once(
         assert not (await stores[3].claim(KEY, "fp", "b", 5, 60)).claimed
         with postgres_server.admin(dbname) as conn:
             rows = conn.execute("SELECT version FROM tool_proxy.schema_version").fetchall()
-        assert rows == [(MIGRATIONS[-1][0],)]
+        assert rows == [(version,) for version, _ in MIGRATIONS]  # each applied once
     finally:
         for store in stores:
             await store.close()
@@ -209,6 +209,45 @@ async def test_migrate_says_why_it_cannot(tmp_path: Path) -> None:
     )
 
 
+async def test_version_2_upgrades_a_version_1_database_whose_replicas_keep_working(
+    postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replays counter (version 2) is added to a database of version 1 with its
+    records; version 1's claim, as its replicas still running call it, answers as before
+    and counts the replays too."""
+    dbname = postgres_server.create_database()
+    v1_claim = "SELECT * FROM tool_proxy.claim(%s, %s, %s, 'fp', %s, 5, 60, false, NULL)"
+    complete = (
+        "SELECT tool_proxy.complete(%s, %s, %s, 'a', 'fp', 'completed', 'done', 60, true,"
+        " 'a', NULL)"
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(postgres, "MIGRATIONS", MIGRATIONS[:1])
+        async with await psycopg.AsyncConnection.connect(
+            parse_postgres_url(postgres_server.url(dbname)).conninfo, autocommit=True
+        ) as conn:
+            assert await postgres.migrate(conn, "tool_proxy") == 1
+    args = (*KEY, KEY.scope)
+    with postgres_server.admin(dbname) as conn:
+        assert conn.execute(v1_claim, (*args, "a")).fetchone()[0] is True  # type: ignore[index]
+        assert conn.execute(complete, args).fetchone() == (True,)
+    store = PostgresStore(postgres_server.url(dbname))
+    try:
+        await store.open()
+        record = await store.get(KEY)
+        assert record is not None and (record.payload, record.replays) == (b"done", 0)
+        with postgres_server.admin(dbname) as conn:
+            old = conn.execute(v1_claim, (*args, "b")).fetchone()
+            versions = conn.execute("SELECT version FROM tool_proxy.schema_version").fetchall()
+        assert old is not None and len(old) == 11 and old[:2] == (False, None)
+        assert versions == [(1,), (2,)]
+        replayed = await store.claim(KEY, "fp", "c", 5, 60)
+        assert replayed.record is not None and replayed.record.replays == 2
+    finally:
+        await store.close()
+        postgres_server.drop_database(dbname)
+
+
 async def test_a_schema_of_its_own_keeps_stores_apart(postgres_url: str) -> None:
     mine, theirs = PostgresStore(postgres_url), PostgresStore(f"{postgres_url}?schema=other")
     await mine.open()
@@ -246,7 +285,7 @@ async def test_sweep_deletes_what_expired_in_every_table_but_the_counters(
             }
         assert {t: n for t, n in left.items() if n != (0,)} == {
             "resource_counters": (1,),  # a scope's counter never goes (tokens only grow)
-            "schema_version": (1,),
+            "schema_version": (len(MIGRATIONS),),  # a row per version applied
         }
     finally:
         await store.close()
@@ -342,10 +381,10 @@ def test_two_round_trips_per_first_execution_and_one_per_replay(
     calls.take()  # start-up
     first = httpx.post(f"{proxy.url}/tools/a", json=BODY, headers={"Idempotency-Key": key})
     assert first.status_code == 200
-    assert calls.take() == {"claim": 1, "complete": 1}
+    assert calls.take() == {"claim_v2": 1, "complete": 1}
     replay = httpx.post(f"{proxy.url}/tools/a", json=BODY, headers={"Idempotency-Key": key})
     assert replay.headers["idempotent-replayed"] == "true"
-    assert calls.take() == {"claim": 1}
+    assert calls.take() == {"claim_v2": 1}  # the replay counted in the same statement
 
 
 # -- faults ---------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ async def test_a_lapsed_lease_shows_as_failed_and_lapsed(store: Store, later: La
         False,
     )
     assert view["response"] is None
+    assert view["replays"] == 1  # the retry was answered "outcome unknown" from the record
 
 
 @pytest.mark.anyio

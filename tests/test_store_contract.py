@@ -126,6 +126,61 @@ async def test_failed_is_kept_like_completed(store: Store) -> None:
     assert found.record is not None and found.record.state is State.FAILED
 
 
+async def test_a_claim_counts_the_replays_it_serves(store: Store) -> None:
+    """A finished record handed back with the caller's fingerprint is a replay served,
+    counted by the claim itself; a 409 (in progress) and a 422 (another body) are not."""
+    assert (await store.claim(KEY, "fp", "a", LOCK, RESULT)).claimed
+    running = await store.claim(KEY, "fp", "b", LOCK, RESULT)  # a 409
+    assert running.record is not None and running.record.replays == 0
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"done", RESULT)
+    first = await store.claim(KEY, "fp", "c", LOCK, RESULT)
+    assert first.record is not None and first.record.replays == 1
+    other = await store.claim(KEY, "other-fp", "d", LOCK, RESULT)  # a 422
+    assert other.record is not None and other.record.replays == 1
+    second = await store.claim(KEY, "fp", "a", LOCK, RESULT)  # its own owner's retry too
+    assert second.record is not None and second.record.replays == 2
+    unserved = await store.claim(KEY, "fp", "job", LOCK, RESULT, replay=False)
+    assert unserved.record is not None and unserved.record.replays == 2
+    got = await store.get(KEY)
+    assert got is not None and got.replays == 2
+    assert [r.replays for r in await store.records(KEY.scope)] == [2]
+    cursor, seen = "", []
+    while True:
+        cursor, page = await store.scan(cursor, 10)
+        seen += [r.replays for r in page if r.key == KEY]
+        if not cursor:
+            break
+    assert seen == [2]
+
+
+async def test_the_replay_count_starts_afresh_with_a_new_claim_and_survives_a_settle(
+    store: Store,
+) -> None:
+    await store.claim(KEY, "fp", "a", LOCK, RESULT)
+    await store.complete(KEY, "a", "fp", State.FAILED, b"unknown", RESULT)
+    failed = await store.claim(KEY, "fp", "b", LOCK, RESULT)  # a FAILED outcome replayed
+    assert failed.record is not None and failed.record.replays == 1
+    assert await store.settle(KEY, State.COMPLETED, b"resolved", RESULT)
+    settled = await store.get(KEY)
+    assert settled is not None and settled.replays == 1
+    assert await store.delete(KEY)
+    assert (await store.claim(KEY, "fp", "c", LOCK, RESULT)).claimed
+    fresh = await store.get(KEY)
+    assert fresh is not None and fresh.replays == 0
+
+
+async def test_a_lapsed_lease_found_counts_as_a_replay_of_its_unknown_outcome(
+    store: Store, later: Later
+) -> None:
+    await store.claim(KEY, "fp", "a", 0.2, RESULT)
+    await later(0.35)
+    lapsed = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+    assert lapsed.record is not None and lapsed.record.lapsed and lapsed.record.replays == 1
+    assert await store.complete(KEY, "a", "fp", State.COMPLETED, b"late", RESULT)
+    late = await store.get(KEY)  # the late outcome keeps the count of what was served
+    assert late is not None and (late.payload, late.replays) == (b"late", 1)
+
+
 async def test_an_outcome_that_must_not_replace_one_is_written_only_where_none_is(
     store: Store,
 ) -> None:
@@ -455,6 +510,55 @@ async def test_redis_reloads_its_scripts_for_a_whole_batch(redis_server: RedisSe
         claims = await asyncio.gather(*(store.claim(k, "fp", "a", LOCK, RESULT) for k in keys))
         assert all(c.claimed for c in claims)
         assert not (await store.claim(keys[0], "fp", "b", LOCK, RESULT)).claimed
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("synchronous", ["full", "normal"])
+async def test_sqlite_counts_replays_whatever_its_synchronous(
+    tmp_path: Path, synchronous: str
+) -> None:
+    """Under ``full`` the count is a transaction of its own that does not wait for the
+    disk (it would sync the WAL at every replay); under ``normal``, in the claim's."""
+    store = make_store(f"sqlite://{tmp_path}/state.db?synchronous={synchronous}")
+    await store.open()
+    try:
+        await store.claim(KEY, "fp", "a", LOCK, RESULT)
+        await store.complete(KEY, "a", "fp", State.COMPLETED, b"done", RESULT)
+        for n in (1, 2):
+            found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+            assert found.record is not None and found.record.replays == n
+        got = await store.get(KEY)
+        assert got is not None and got.replays == 2
+        assert isinstance(store, SQLiteStore)  # its connection is back to its own level
+        level = await store._run(lambda: store._conn().execute("PRAGMA synchronous").fetchone())
+        assert level == ({"full": 2, "normal": 1}[synchronous],)
+    finally:
+        await store.close()
+
+
+async def test_sqlite_adds_the_replays_column_to_a_file_of_an_earlier_release(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE step_records (slot TEXT NOT NULL, name TEXT NOT NULL,"
+            " scope TEXT NOT NULL, state TEXT NOT NULL, fingerprint TEXT NOT NULL,"
+            " owner TEXT NOT NULL, lease_until REAL NOT NULL DEFAULT 0,"
+            " expires_at REAL NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,"
+            " payload BLOB NOT NULL DEFAULT x'', PRIMARY KEY (slot, name)) WITHOUT ROWID"
+        )
+        db.execute(
+            "INSERT INTO step_records VALUES (?, ?, ?, 'completed', 'fp', 'a', 0, 9e9, 1, 1,"
+            " x'00')",
+            (*KEY, KEY.scope),
+        )
+    store = make_store(f"sqlite://{path}")
+    await store.open()
+    try:
+        found = await store.claim(KEY, "fp", "b", LOCK, RESULT)
+        assert found.record is not None and found.record.replays == 1
     finally:
         await store.close()
 

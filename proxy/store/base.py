@@ -80,6 +80,9 @@ class Record:
     """When it was claimed (Unix seconds, the store's clock)."""
     updated_at: float = 0.0
     """When it was last written (claimed, renewed, recorded)."""
+    replays: int = 0
+    """How many times a claim handed this outcome back to a caller to replay (counted by
+    the claim itself, in the same atomic step: see ``Store.claim``)."""
 
     @property
     def lapsed(self) -> bool:
@@ -146,6 +149,7 @@ class Store(Protocol):
         result_ttl: float,
         *,
         reexecute_lapsed: bool = False,
+        replay: bool = True,
     ) -> Claim:
         """Create an IN_PROGRESS record owned by ``owner`` unless one exists (then return it).
 
@@ -154,6 +158,14 @@ class Store(Protocol):
         recorded (COMPLETED or FAILED) is returned, never claimed over. An IN_PROGRESS
         record of another owner whose lease has lapsed becomes FAILED (empty payload) and
         is returned, unless ``reexecute_lapsed``: then ``owner`` claims it.
+
+        A finished record returned (COMPLETED or FAILED, also one that lapses now) whose
+        fingerprint is ``fingerprint`` is a replay served: its ``replays`` goes up by one
+        in the same atomic step, and the record returned shows the new count; unless
+        ``replay`` is False (a job's submission, an operator's requeue: they serve
+        nothing from it). An IN_PROGRESS record (a 409) or another fingerprint (a 422)
+        counts nothing. A fresh claim starts at 0; ``complete`` and ``settle`` keep the
+        count.
         """
 
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:

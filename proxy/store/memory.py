@@ -34,6 +34,7 @@ class _Entry:
     record: Record
     expires_at: float
     lease_until: float = 0.0
+    replays: int = 0
 
 
 class MemoryStore:
@@ -80,7 +81,15 @@ class MemoryStore:
         )
         ttl = left if left > 0 else 0.0
         return Record(
-            r.state, r.fingerprint, r.owner, ttl, r.payload, key, r.created_at, r.updated_at
+            r.state,
+            r.fingerprint,
+            r.owner,
+            ttl,
+            r.payload,
+            key,
+            r.created_at,
+            r.updated_at,
+            entry.replays,
         )
 
     async def claim(
@@ -92,19 +101,24 @@ class MemoryStore:
         result_ttl: float,
         *,
         reexecute_lapsed: bool = False,
+        replay: bool = True,
     ) -> Claim:
         entry = self._live(key)
         now = self._clock()
-        mine = entry is not None and entry.record.owner == owner
-        if mine and entry is not None and entry.record.state is not State.IN_PROGRESS:
-            return Claim(self._view(key, entry))  # its own outcome: never claimed over
-        if entry is not None and entry.record.owner != owner:
-            lapsed = entry.record.state is State.IN_PROGRESS and entry.lease_until <= now
-            if not lapsed:
+        if entry is not None:
+            r = entry.record
+            if r.state is not State.IN_PROGRESS:  # an outcome: never claimed over
+                if replay and r.fingerprint == fingerprint:
+                    entry.replays += 1
                 return Claim(self._view(key, entry))
-            if not reexecute_lapsed:
-                entry.record = replace(entry.record, state=State.FAILED, updated_at=time.time())
-                return Claim(self._view(key, entry))
+            if r.owner != owner:
+                if entry.lease_until > now:
+                    return Claim(self._view(key, entry))
+                if not reexecute_lapsed:
+                    entry.record = replace(r, state=State.FAILED, updated_at=time.time())
+                    if replay and r.fingerprint == fingerprint:
+                        entry.replays += 1
+                    return Claim(self._view(key, entry))
         wall = time.time()
         record = Record(State.IN_PROGRESS, fingerprint, owner, lock_ttl, b"", None, wall, wall)
         self._put(key, _Entry(record, now + result_ttl, now + lock_ttl))
@@ -150,10 +164,11 @@ class MemoryStore:
         created = entry.record.created_at if entry is not None else wall
         ow = successor or owner
         record = Record(state, fingerprint, ow, result_ttl, payload, None, created, wall)
+        expires = self._clock() + result_ttl
         if entry is None:
-            self._put(key, _Entry(record, self._clock() + result_ttl))
-        else:  # already in its scope's index
-            self._records[key] = _Entry(record, self._clock() + result_ttl)
+            self._put(key, _Entry(record, expires))
+        else:  # already in its scope's index; its replays counted on
+            self._records[key] = _Entry(record, expires, replays=entry.replays)
         return True
 
     async def release(self, key: RecordKey, owner: str) -> bool:
@@ -196,7 +211,7 @@ class MemoryStore:
             self._forget(key)
             return True
         record = replace(entry.record, state=state, payload=payload, updated_at=time.time())
-        self._put(key, _Entry(record, self._clock() + result_ttl))
+        self._put(key, _Entry(record, self._clock() + result_ttl, replays=entry.replays))
         return True
 
     async def delete(self, key: RecordKey) -> bool:

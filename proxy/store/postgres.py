@@ -72,7 +72,9 @@ MAX_PAYLOAD_BYTES = 1_000_000_000 - 64 * 1024
 # The schema's versions, each a file beside this module applied once, in order: a change
 # of the schema is a new file (CREATE OR REPLACE FUNCTION, ALTER TABLE), never an edit
 # of one that databases have applied already.
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, "postgres.sql"),)
+# Version 2 added the replays counter (new ``_v2`` functions; version 1's still answer
+# as before, for its replicas running during a rolling upgrade).
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, "postgres.sql"), (2, "postgres-2.sql"))
 # The advisory lock that serializes migrations of replicas starting at once.
 MIGRATION_LOCK = 0x746F6F6C70727879  # "toolprxy"
 # Where job changes are told (NOTIFY), within the database.
@@ -286,9 +288,10 @@ class PostgresStore:
         result_ttl: float,
         *,
         reexecute_lapsed: bool = False,
+        replay: bool = True,
     ) -> Claim:
         args = (*key, key.scope, fingerprint, owner, lock_ttl, result_ttl, reexecute_lapsed)
-        (row,) = await self.call("claim", args)
+        (row,) = await self.call("claim_v2", (*args, replay))
         if row[0]:
             return Claim(None, row[1])
         return Claim(_record(row[2:]))
@@ -315,15 +318,15 @@ class PostgresStore:
         return await self._flag("release", (*key, owner))
 
     async def get(self, key: RecordKey) -> Record | None:
-        rows = await self.call("get", key)
+        rows = await self.call("get_v2", key)
         return _record(rows[0]) if rows else None
 
     async def records(self, scope: str) -> list[Record]:
-        return [_record(row) for row in await self.call("scope_records", (scope,))]
+        return [_record(row) for row in await self.call("scope_records_v2", (scope,))]
 
     async def scan(self, cursor: str, count: int) -> tuple[str, list[Record]]:
         slot, name = json.loads(cursor) if cursor else ("", "")
-        rows = await self.call("scan", (slot, name, max(count, 1)))
+        rows = await self.call("scan_v2", (slot, name, max(count, 1)))
         found = [_record(row[1:]) for row in rows if row[0]]
         more = len(rows) == max(count, 1)
         return (json.dumps([rows[-1][1], rows[-1][2]]) if more else ""), found
@@ -461,9 +464,11 @@ async def migrate(conn: psycopg.AsyncConnection[Row], schema: str) -> int:
 
 
 def _record(row: Row) -> Record:
-    slot, name, state, fingerprint, owner, ttl, payload, created, updated = row
+    slot, name, state, fingerprint, owner, ttl, payload, created, updated, replays = row
     key = RecordKey(slot, name)
-    return Record(State(state), fingerprint, owner, ttl, bytes(payload), key, created, updated)
+    return Record(
+        State(state), fingerprint, owner, ttl, bytes(payload), key, created, updated, replays
+    )
 
 
 def _paused(group: str, scope: str) -> str:

@@ -14,7 +14,8 @@ them in one hash slot and the scripts stay legal there. Expiry is Redis's own.
 
 Keys::
 
-    tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload)
+    tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload),
+                           lu (lease's end), ct, ut (created, updated), rp (replays served)
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
     tp:{<scope>}:steps     sorted set: the scope's records (<step>:<name>), scored by
                            their expiry (ms); a member leaves as its record is released,
@@ -430,11 +431,13 @@ class RedisStore:
         result_ttl: float,
         *,
         reexecute_lapsed: bool = False,
+        replay: bool = True,
     ) -> Claim:
         record, slot, index, member = _names(key)
         keys = [record, slot, index]
         args = (key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl))
-        reply, unconfirmed = await self._durable(_CLAIM, keys, *args, int(reexecute_lapsed), member)
+        flags = (int(reexecute_lapsed), member, int(replay))
+        reply, unconfirmed = await self._durable(_CLAIM, keys, *args, *flags)
         if reply[0] == 1:
             if unconfirmed is not None:
                 await self._unclaim(key, owner)
@@ -707,7 +710,7 @@ def _translated(exc: ResponseError) -> StoreUnavailable:
 
 def _record(name: str, fields: list[Any], key: RecordKey) -> Record:
     try:
-        state, fp, owner, payload, left, created, updated = fields
+        state, fp, owner, payload, left, created, updated, replays = fields
         return Record(
             State(state.decode()),
             fp.decode(),
@@ -717,6 +720,7 @@ def _record(name: str, fields: list[Any], key: RecordKey) -> Record:
             key,
             int(created or 0) / 1000,
             int(updated or 0) / 1000,
+            int(replays or 0),
         )
     except (ValueError, AttributeError, TypeError) as exc:
         raise StoreError(f"redis store: malformed record at {name}") from exc
@@ -954,7 +958,8 @@ _HOLD_JOB, _MOVE_JOB, _JOB_EVENTS, _SWEEP_JOBS = (
 
 
 # The scripts the coalescer may send again when their reply is lost (``Coalescer``): reads,
-# and writes that, run twice, do and answer as once: the same owner's claim and
+# and writes that, run twice, do and answer as once: the same owner's claim (a replay it
+# serves is then counted twice: ``replays`` is for operators, the answer is the same) and
 # renewals (not a record's release: its answer is read), the queue's writes (each carries a
 # token, or finds its work done), a pause (the later end wins). Not the rate take and
 # true-up (units taken twice), a settle or a lock's release (their answer would say
