@@ -295,15 +295,16 @@ def stores_table(stores: list[Result], markdown: bool = False) -> str:
     for r in stores:
         rows.setdefault(_store_label(r), {})[r.callers] = r
     header = ["store", "scenario"]
-    header += [f"req/s ({c}) ratio" for c in callers]
-    header += [f"p50 / p99 ms ({c})" for c in callers]
+    header += [f"req/s (ratio), {c} caller{'s' if c > 1 else ''}" for c in callers]
+    header += [f"p50 / p99 ms, {c} caller{'s' if c > 1 else ''}" for c in callers]
     header += ["round trips/req (" + " / ".join(map(str, callers)) + ")", "errors"]
     cells = []
     for (store, scenario), by in rows.items():
         guarded = scenario not in (BASELINE, "passthrough") and not scenario.startswith(BASELINE)
         line = [store, scenario]
         line += [
-            f"{by[c].rps:,.0f} {by[c].rps / baseline[c]:.3f}" if c in by else DASH for c in callers
+            f"{by[c].rps:,.0f} ({by[c].rps / baseline[c]:.3f})" if c in by else DASH
+            for c in callers
         ]
         line += [f"{by[c].p50_ms:.2f} / {by[c].p99_ms:.2f}" if c in by else DASH for c in callers]
         trips = [by[c].round_trips if c in by else None for c in callers]
@@ -325,7 +326,8 @@ def stores_markdown(meta: dict[str, Any], runs: Runs) -> str:
     m = runs.stores_meta
     stores = [r.store for r in runs.stores if r.store and r.store != "after"]
     names = list(dict.fromkeys(stores))
-    load1 = float(m["load_start"].split()[0])
+    # Busy: the 1-minute load average reached the core count at any reading.
+    load1 = max(float(v.split()[0]) for k, v in m.items() if k.startswith("load_"))
     busy = load1 >= (meta.get("cores") or 2)
     return STORES_DOC.format(
         **meta,
@@ -853,7 +855,7 @@ Not measured in this run (`bench/run --stores ''`).\
 """
 
 STORES_BUSY = (
-    "**These ratios were measured on a busy machine** (its load average at or above its "
+    "**These ratios were measured on a busy machine** (its load average reached its "
     "core count: other work shared the 2 cores with wrk, nginx, the stores and the proxy), "
     "so they are lower, and wider apart from run to run, than on a quiet one; compare the "
     "stores with each other within this table rather than with the tables above."
@@ -888,6 +890,7 @@ flight when wrk stops are counted by the store and not by wrk, as above.
 
 This run: {{date}}, commit `{{commit}}`, {{started}} to {{ended}} UTC; load average (1, 5,
 15 min) at the start {{load_start}}, {{loads}}, at the end {{load_end}}, on {{cores}} cores.
+
 {{busy}}
 
 {{stores}}
