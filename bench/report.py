@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,7 @@ def row(results: list[Result], r: Result) -> list[str]:
 
 def text_row(r: Result) -> str:
     """A progress line for one measurement."""
-    trips = "" if r.round_trips is None else f", {r.round_trips:.2f} Redis round trips/req"
+    trips = "" if r.round_trips is None else f", {r.round_trips:.2f} store round trips/req"
     return (
         f"{r.scenario:<12} {r.callers:>2} callers: {r.rps:>8,.0f} req/s, p50 {r.p50_ms:.2f} ms, "
         f"p99 {r.p99_ms:.2f} ms, {r.errors} errors{trips}"
@@ -267,6 +268,95 @@ def commands_table(results: list[Result], markdown: bool = False) -> str:
     return _table(header, rows, markdown)
 
 
+STORES_HEADING = "## First executions and replays per store"
+DASH = "-"
+
+
+def _hop_baseline(stores: list[Result]) -> dict[int, float]:
+    """nginx-hop's req/s by callers: the median of its measurements before and after."""
+    rates: dict[int, list[float]] = {}
+    for r in stores:
+        if r.scenario == BASELINE:
+            rates.setdefault(r.callers, []).append(r.rps)
+    return {callers: statistics.median(values) for callers, values in rates.items()}
+
+
+def _store_label(r: Result) -> tuple[str, str]:
+    if r.scenario == BASELINE:
+        return "", f"{BASELINE} ({'after' if r.store == 'after' else 'before'})"
+    return (r.store or "(none)"), r.scenario
+
+
+def stores_table(stores: list[Result], markdown: bool = False) -> str:
+    """One row per store and scenario; the callers counts side by side."""
+    baseline = _hop_baseline(stores)
+    callers = sorted({r.callers for r in stores})
+    rows: dict[tuple[str, str], dict[int, Result]] = {}
+    for r in stores:
+        rows.setdefault(_store_label(r), {})[r.callers] = r
+    header = ["store", "scenario"]
+    header += [f"req/s (ratio), {c} caller{'s' if c > 1 else ''}" for c in callers]
+    header += [f"p50 / p99 ms, {c} caller{'s' if c > 1 else ''}" for c in callers]
+    header += ["round trips/req (" + " / ".join(map(str, callers)) + ")", "errors"]
+    cells = []
+    for (store, scenario), by in rows.items():
+        guarded = scenario not in (BASELINE, "passthrough") and not scenario.startswith(BASELINE)
+        line = [store, scenario]
+        line += [
+            f"{by[c].rps:,.0f} ({by[c].rps / baseline[c]:.3f})" if c in by else DASH
+            for c in callers
+        ]
+        line += [f"{by[c].p50_ms:.2f} / {by[c].p99_ms:.2f}" if c in by else DASH for c in callers]
+        trips = [by[c].round_trips if c in by else None for c in callers]
+        if not guarded:
+            line.append("")
+        elif all(t is None for t in trips):
+            line.append(DASH)
+        else:
+            line.append(" / ".join(DASH if t is None else f"{t:.2f}" for t in trips))
+        line.append(str(sum(r.errors for r in by.values())))
+        cells.append(line)
+    return _table(header, cells, markdown)
+
+
+def stores_markdown(meta: dict[str, Any], runs: Runs) -> str:
+    """The section "First executions and replays per store" of docs/benchmarks.md."""
+    if not runs.stores:
+        return STORES_SKIPPED
+    m = runs.stores_meta
+    stores = [r.store for r in runs.stores if r.store and r.store != "after"]
+    names = list(dict.fromkeys(stores))
+    # Busy: the 1-minute load average reached the core count at any reading.
+    load1 = max(float(v.split()[0]) for k, v in m.items() if k.startswith("load_"))
+    busy = load1 >= (meta.get("cores") or 2)
+    return STORES_DOC.format(
+        **meta,
+        table=stores_table(runs.stores, markdown=True),
+        started=m["started"],
+        ended=m["ended"],
+        load_start=m["load_start"],
+        load_end=m["load_end"],
+        loads=", ".join(f"after {n} {m[f'load_after_{n}']}" for n in names),
+        stores="\n".join(f"- **{n}**: {m[f'about_{n}']}." for n in names),
+        busy=STORES_BUSY if busy else STORES_QUIET,
+    )
+
+
+def with_stores_section(doc: str, meta: dict[str, Any], runs: Runs) -> str:
+    """``doc`` (docs/benchmarks.md as it is) with its per-store section replaced, or
+    inserted before the offload section when it has none; the rest left as it is."""
+    section = stores_markdown(meta, runs).rstrip("\n") + "\n\n"
+    start = doc.find(STORES_HEADING + "\n")
+    if start >= 0:
+        end = doc.find("\n## ", start + len(STORES_HEADING))
+        return doc[:start] + section + (doc[end + 1 :] if end >= 0 else "")
+    for anchor in ("## Large responses (offload)\n", "## Targets\n"):
+        at = doc.find(anchor)
+        if at >= 0:
+            return doc[:at] + section + doc[at:]
+    return doc.rstrip("\n") + "\n\n" + section
+
+
 def client_speedup(clients: list[Result]) -> str:
     by = _index(clients)
     return f"{by[('aiohttp', 32)].rps / by[('httpx', 32)].rps:.1f}x"
@@ -287,6 +377,13 @@ def _offload_text(runs: Runs) -> list[str]:
 
 def text(runs: Runs) -> str:
     parts = []
+    if runs.stores:
+        parts += [
+            "First executions and replays per store, req/s ratio = req/s / nginx-hop req/s "
+            "(the median of before and after) at the same number of callers:",
+            stores_table(runs.stores),
+            "",
+        ]
     if runs.results:
         parts += [
             f"req/s ratio = req/s / {BASELINE} req/s at the same number of callers",
@@ -301,11 +398,12 @@ def text(runs: Runs) -> str:
         ]
     if runs.own_us:
         parts += ["The proxy's own work (bench/hot_path.py):", own_table(runs.own_us), ""]
-    parts += [
-        f"Upstream client, forwarding app at 32 callers (aiohttp/httpx req/s: "
-        f"{client_speedup(runs.clients)}):",
-        clients_table(runs.clients),
-    ]
+    if runs.clients:
+        parts += [
+            f"Upstream client, forwarding app at 32 callers (aiohttp/httpx req/s: "
+            f"{client_speedup(runs.clients)}):",
+            clients_table(runs.clients),
+        ]
     return "\n".join(parts)
 
 
@@ -335,6 +433,7 @@ def markdown(meta: dict[str, Any], runs: Runs) -> str:
         results=results_table(runs.results, markdown=True),
         commands=commands_table(runs.results, markdown=True),
         offload=offload_markdown(meta, runs),
+        stores=stores_markdown(meta, runs),
         targets=targets_table(runs, markdown=True),
         met=sum(t.met for t in met),
         total=len(met),
@@ -363,6 +462,7 @@ bench/run                # the full run, about 3 minutes; rewrites this file
 bench/run --quick        # 2 s per measurement: a smoke test, leaves this file alone
 bench/run --no-offload   # without the large-response (offload) scenarios
 bench/run --clients      # only the httpx / aiohttp comparison (printed, not written here)
+bench/run --stores-only --stores redis,postgresql   # only the per-store section, rewritten in place
 bench/run --duration 15 --rounds 3   # longer measurements, medians over 3 rounds
 ```
 
@@ -421,6 +521,8 @@ round trips. **Commands** are all `INFO commandstats` calls (without `info`): Re
 counts there, as well, every command a Lua script runs with `redis.call`. Requests still
 in flight when wrk stops reach Redis without being counted by wrk, so the ratios can
 exceed the exact value by up to 32 / requests.
+
+{stores}
 
 {offload}
 
@@ -579,6 +681,47 @@ Note 1: 500 operations submitted at once, 32 workers, a tool answering at once.
 - With httpx's async client at 32 callers the client itself was the bottleneck (a direct
   call of the tool measured 117 calls/s, p50 179 ms): the script uses aiohttp.
 
+## Store durability
+
+What `store.durability: {{replicas: 1, timeout: 200ms}}` costs on Redis, from
+`bench/durability.py` (`PYTHONPATH=. .venv/bin/python bench/durability.py --calls 4000
+--rounds 4`): a real primary and one replica on this machine (loopback, replication
+direct), the store's claims and completions (the two writes of a first execution),
+off and on alternating, four rounds, 2026-12-02 on the shared 2-core machine (load
+about 1 to 1.5, so the spread between rounds is wide).
+
+| | one write at a time, median | 64 callers at once | `WAIT`s per write (64 at once) |
+| --- | --- | --- | --- |
+| off | 166 to 320 µs (median of rounds about 210) | 16,900 to 18,600 writes/s | 0 |
+| on | 303 to 338 µs (about 320) | 13,000 to 17,300 writes/s | 0.032 |
+| off, quieter (`--calls 2000 --rounds 2`, load below 0.5) | 101 and 180 µs | 23,100 and \
+23,500 writes/s | 0 |
+| on, quieter | 136 and 139 µs | 19,300 and 20,600 writes/s | 0.032 |
+
+- **No extra round trip**: the `WAIT` is pipelined after the script, in the same write and
+  read, so a guarded call still makes 2 round trips per first execution and 1 per replay.
+- **One at a time** a write waits for the replica to acknowledge it (the primary asks the
+  replicas with `REPLCONF GETACK` once per event loop cycle while a client waits): about
+  35 to 100 µs more per write on loopback, so up to about 0.2 ms more per first
+  execution; over a network, add one primary-to-replica round trip per write.
+- **Under load** the coalescer sends one `WAIT` per round trip, after all of its commands
+  (1 per 31 writes with 64 callers): throughput is 5 to 20 % below off on this machine
+  (12 to 18 % on the quieter run). Sending one `WAIT` per command instead would serialize: \
+Redis blocks the
+  connection at each `WAIT` until its replicas answer, so the commands behind it wait.
+- **Replays** carry the `WAIT` too (a claim does not know beforehand whether it finds a
+  record): it returns at once when the replicas have acknowledged the connection's
+  earlier writes, else after their next acknowledgement.
+- **A lagging replica** costs `timeout` per round trip that carries a durable write (the
+  `WAIT` runs out): everything behind it on the connection waits, and claims are refused.
+  Keep `timeout` short.
+
+## Tracing
+
+The cost of traces, off and on, is in [tracing.md](tracing.md#overhead): off, nothing
+measurable; on with every request sampled, 4 to 8 times the proxy's own CPU per request
+(`bench/traced.py`, on/off alternately in one run); sampling a tenth, 1.6 to 2.5 times.
+
 ## Measurements behind design choices
 
 Measured once on the 2-core development machine and not rerun by this script; the code's
@@ -597,6 +740,20 @@ docstrings give the reasons, these are the figures.
   `bench/hot_path.py`, alternating runs of both commits: pass-through 46.5 to 49.7 µs
   against 46.7 to 51.9, first executions 122.7 to 147.1 against 129.2 to 142.0, replays
   83.3 to 88.4 against 85.6 to 91.8 (within the machine's noise).
+- **Redis Cluster: a coalescer per node, not redis-py's `RedisCluster`**
+  (`proxy/store/redis_nodes.py`; `PYTHONPATH=. .venv/bin/python bench/cluster.py`,
+  2026-12-01 21:30 UTC, on the shared 2-core machine under a load average of about 18, so
+  the spread between runs is wide; every server on the same cores). Claim + complete pairs
+  per second (two scripts, a 256-byte outcome), 64 concurrent callers, 5 s each, three
+  runs: one Redis through today's coalescer 1,676 / 4,514 / 1,362 (at 8 callers); a
+  3-primary cluster (3 replicas) through a coalescer per node 960 / 1,503 / 1,244 (8
+  callers); the same cluster through redis-py's asyncio `RedisCluster` (EVALSHA of the
+  same scripts) 640 / 670 / 1,001 (8 callers). The coalescer per node does 1.2 to 2.2 times
+  the pairs of `RedisCluster` in every run (redis-py's cluster client pays a task, a
+  slot lookup and a connection checkout per command, and pipelines nothing on its own);
+  both are below one Redis on one machine, where six servers and the client share two
+  cores and each node's batches are a third as large. A cluster is for capacity and
+  spread (memory, slots over nodes), not for a faster call.
 - **Redis auto-pipelining** (`proxy/store/redis.py`, `Coalescer`): with 32 concurrent
   callers, about 10 µs of the proxy's CPU per Redis command, against about 26 µs with
   redis-py's pipelines and 46 µs with one redis-py command per call.
@@ -657,6 +814,88 @@ docstrings give the reasons, these are the figures.
   1.30 ms), where replays were 2.68 (p50 1.60 ms) and first executions 0.69; a first run
   of 300 calls gave 4.74 and 3.62 for hits, 4.12 and 4.98 for replays. A hit costs about
   what a replay does: one store read and the `id` rewritten, the server not called.
+  The time to a task answer (`task`: a third route with `async`, a new key per call with
+  `params.task`, answered `CreateTaskResult` by the proxy while its workers run the calls
+  in the same process), on 2026-12-01 at about 21:25 UTC, 2 rounds of 300 calls, on a
+  machine shared with several other runs (so every number is far below the ones above):
+  direct 31 calls/s (p50 28 ms), first execution 0.49 of it (p50 59 ms), task answer 1.35
+  of direct (42 calls/s, p50 20 ms, p99 82 ms): the claim, the job kept and queued, then
+  the answer, without waiting for the server. To be measured again on a quiet machine.
+- **psycopg 3 rather than asyncpg for PostgreSQL** (`proxy/store/postgres.py`;
+  2026-12-01 at about 20:58 UTC, PostgreSQL 15 on the same 2-core machine, loaded by
+  other work: load average 8.5, so the spread between rounds is wide). A loop of claim +
+  completion (the store's own `claim` and `complete` functions, a new key each time,
+  1,500 per round, median of 3 rounds, pools of 10 connections, `synchronous_commit=off`
+  so the commit's fsync does not hide the drivers' cost), in claim+complete per second:
+
+  | driver | 1 at a time | 20 at a time |
+  |---|---|---|
+  | psycopg 3.3 + psycopg_pool, prepared after 5 uses (`prepare=true`) | 179 (178-504) | 262 \
+(193-327) |
+  | psycopg, never prepared (the default) | 325 (132-429) | 304 (201-340) |
+  | asyncpg 0.32, statement cache (default) | 525 (451-537) | 247 (242-297) |
+  | asyncpg, no statement cache (PgBouncer before 1.21) | 308 (276-312) | 191 (160-256) |
+
+  With `synchronous_commit=on` (the default, each commit flushed) all four gave 84 to 122
+  at 1 and 209 to 283 at 20: the server's work (the function, the commit) dominates.
+  asyncpg is faster one call at a time with its statement cache, which breaks PgBouncer
+  in transaction mode before 1.21; under concurrency, where a proxy serving many callers
+  is, the drivers are within the noise of each other. psycopg it is: it works through
+  PgBouncer either way, it ships type hints (`mypy --strict`), and its pool bounds the
+  connections with a wait timeout (a dry pool answers 503 at once, not a hang).
+  Statements are not prepared by default: that measured no slower, and PgBouncer before
+  1.21 in transaction mode refuses prepared statements (tests/test_postgres.py runs the
+  store through PgBouncer 1.18).
+"""
+
+STORES_SKIPPED = f"""\
+{STORES_HEADING}
+
+Not measured in this run (`bench/run --stores ''`).\
+"""
+
+STORES_BUSY = (
+    "**These ratios were measured on a busy machine** (its load average reached its "
+    "core count: other work shared the 2 cores with wrk, nginx, the stores and the proxy), "
+    "so they are lower, and wider apart from run to run, than on a quiet one; compare the "
+    "stores with each other within this table rather than with the tables above."
+)
+STORES_QUIET = (
+    "The machine was not busy during this part of the run (load average below its core "
+    "count); it is still shared, so compare the stores with each other within this table."
+)
+
+STORES_DOC = f"""\
+{STORES_HEADING}
+
+The same guarded route (`/tool`) on each store, one store at a time: the store started
+(the tests' helpers: tests/servers.py, tests/postgres_server.py), then a
+**tool-proxy process of its own** on it, the scenarios, and both stopped before the next
+store starts; the same wrk settings as above (a 1 s warm-up, {{duration}} s, `-t1 -c1`
+and `-t2 -c32`, {{rounds}} round(s)). **first-exec** is a new key on every request,
+**replay** one key executed once beforehand. Pass-through does not touch a store: it is
+measured once, through the first store's proxy. nginx-hop is measured before the first
+store and after the last; `req/s ratio` is against the median of both at the same number
+of callers, and the two hops' rows show how much the machine drifted meanwhile.
+
+Each cell of req/s reads `req/s ratio`. **Round trips** per request: on Redis the
+commands the proxy sent itself (`INFO commandstats`, as above; on the cluster summed over
+its 3 primaries); on PostgreSQL the transactions committed in the store's database
+(`xact_commit` of `pg_stat_database`, the store's own background work included, read
+after 10.5 s without load before and after each run, since a server process may keep
+its counts pending that long; every store call is one `SELECT` of a function in a
+transaction of its own, so one commit is one round trip; `pg_stat_statements` is not
+loaded there); SQLite is a file, with nothing to count ({DASH}). Requests still in
+flight when wrk stops are counted by the store and not by wrk, as above.
+
+This run: {{date}}, commit `{{commit}}`, {{started}} to {{ended}} UTC; load average (1, 5,
+15 min) at the start {{load_start}}, {{loads}}, at the end {{load_end}}, on {{cores}} cores.
+
+{{busy}}
+
+{{stores}}
+
+{{table}}\
 """
 
 OFFLOAD_SKIPPED = """\

@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 import report
+from store_servers import STORES, Counter, Store, redis_counter, start_store
 
 from proxy.keys import composite_key
 
@@ -72,12 +73,15 @@ class Result:
     p99_ms: float
     errors: int
     round_trips: float | None = None
-    """Redis round trips per request: the request/reply exchanges the proxy made (EVALSHA
-    and any other command it sent itself), pipelined or not."""
+    """Store round trips per request: on Redis the request/reply exchanges the proxy made
+    (EVALSHA and any other command it sent itself), pipelined or not; on PostgreSQL the
+    transactions committed (one statement each)."""
     reads: float | None = None
     """Network reads Redis made per request: below round_trips when commands were pipelined."""
     commands: dict[str, float] | None = None
     """Redis commands per request by name (INFO commandstats: includes those run in scripts)."""
+    store: str = ""
+    """The store of a per-store measurement (bench/run --stores)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class Runs:
     memory: Memory | None = None
     own_us: dict[str, float] = field(default_factory=dict)
     """The proxy's own CPU per request by scenario (bench/hot_path.py), in µs."""
+    stores: list[Result] = field(default_factory=list)
+    """First executions and replays per store, with nginx-hop before and after them and
+    one pass-through (bench/run --stores)."""
+    stores_meta: dict[str, str] = field(default_factory=dict)
+    """The per-store measurement's load averages and each store's version and settings."""
 
 
 @dataclass(frozen=True)
@@ -232,14 +241,21 @@ def guarded(name: str, prefix: str, strip: bool) -> dict[str, Any]:
     return {"name": name, "path_prefix": prefix, "strip_prefix": strip, "idempotency": policy}
 
 
-def write_proxy_config(workdir: Path, ports: dict[str, int], offload: bool) -> Path:
-    """The proxy's configuration; with ``offload``, a local-file object store and /big."""
+def write_proxy_config(
+    workdir: Path,
+    ports: dict[str, int],
+    offload: bool,
+    store_url: str | None = None,
+    name: str = "proxy",
+) -> Path:
+    """The proxy's configuration (``workdir/<name>.yaml``), on the private Redis unless
+    ``store_url``; with ``offload``, a local-file object store and /big."""
     routes = [
         {"name": "pass", "path_prefix": "/pass", "strip_prefix": True},
         guarded("tool", "/tool", strip=True),
     ]
     config: dict[str, Any] = {
-        "store": {"url": f"redis://127.0.0.1:{ports['redis']}/0"},
+        "store": {"url": store_url or f"redis://127.0.0.1:{ports['redis']}/0"},
         "server": {"host": "127.0.0.1", "port": ports["proxy"]},
     }
     if offload:
@@ -249,7 +265,7 @@ def write_proxy_config(workdir: Path, ports: dict[str, int], offload: bool) -> P
         routes.append(guarded("big", "/big", strip=False))
     upstream = f"http://127.0.0.1:{ports['upstream']}"
     config["routes"] = [{**r, "upstream": upstream} for r in routes]
-    path = workdir / "proxy.yaml"
+    path = workdir / f"{name}.yaml"
     path.write_text(json.dumps(config, indent=2))  # JSON is YAML
     return path
 
@@ -317,37 +333,13 @@ def wrk(url: str, callers: int, seconds: int, key_args: list[str]) -> dict[str, 
     raise RuntimeError(f"no {MARKER.strip()} line from wrk:\n{out.stdout}\n{out.stderr}")
 
 
-def redis_info(client: redis.Redis) -> dict[str, Any]:
-    return client.info("stats", "commandstats")
-
-
-# Commands a client sends itself; the others in commandstats ran inside Lua scripts.
-CLIENT_COMMANDS = ("evalsha", "eval", "script", "ping", "hello", "client", "select")
-
-
-def redis_usage(
-    before: dict[str, Any], after: dict[str, Any], requests: int
-) -> tuple[float, float, dict[str, float]]:
-    """Round trips, network reads and commands per request between two INFO snapshots."""
-    # The INFO that took `after` is one of the reads; commandstats lists it as `info`.
-    reads = after["total_reads_processed"] - before["total_reads_processed"] - 1
-    calls = {
-        name.removeprefix("cmdstat_"): stats["calls"] - before.get(name, {}).get("calls", 0)
-        for name, stats in after.items()
-        if name.startswith("cmdstat_") and name != "cmdstat_info"
-    }
-    per_request = {name: n / requests for name, n in sorted(calls.items()) if n}
-    trips = sum(n for name, n in calls.items() if name.split("|")[0] in CLIENT_COMMANDS)
-    return trips / requests, reads / requests, per_request
-
-
 def measure(
-    scenario: Scenario, callers: int, seconds: int, args_hash: str, store: redis.Redis | None
+    scenario: Scenario, callers: int, seconds: int, args_hash: str, store: Counter | None
 ) -> Result:
-    """Warm up, then one timed wrk run (with Redis counters around it when guarded)."""
+    """Warm up, then one timed wrk run (with the store's counters around it when guarded)."""
     wrk(scenario.url, callers, WARMUP_SECONDS, scenario.wrk_args(args_hash))
     time.sleep(SETTLE_SECONDS)
-    before = redis_info(store) if store and scenario.guarded else None
+    count = store() if store and scenario.guarded else None
     data = wrk(scenario.url, callers, seconds, scenario.wrk_args(args_hash))
     result = Result(
         scenario=scenario.name,
@@ -358,9 +350,9 @@ def measure(
         p99_ms=data["p99_us"] / 1000,
         errors=data["status_errors"] + data["socket_errors"],
     )
-    if before is not None and store is not None and result.requests:
+    if count is not None and result.requests:
         time.sleep(SETTLE_SECONDS)
-        trips, reads, commands = redis_usage(before, redis_info(store), result.requests)
+        trips, reads, commands = count(result.requests)
         result = replace(result, round_trips=trips, reads=reads, commands=commands)
     print(f"  {report.text_row(result)}", flush=True)
     return result
@@ -454,7 +446,7 @@ def measure_core(
         Scenario("first-exec", f"{proxy}/tool", "unique", "b"),
         Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
     ]
-    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=redis_counter(store))
 
 
 def measure_offload(
@@ -472,7 +464,7 @@ def measure_offload(
         Scenario("big-direct", f"http://127.0.0.1:{ports['upstream']}{BIG_PATH}"),
         Scenario("big-replay", f"{proxy}{BIG_PATH}", "fixed", key),
     ]
-    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store)
+    return run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=redis_counter(store))
 
 
 def measure_memory(
@@ -497,12 +489,68 @@ def measure_memory(
         rest = proc_status_mb(proc.pid, "VmRSS")
         url = f"http://127.0.0.1:{ports['proxy-rss']}{RSS_PATH}"
         scenario = Scenario("replay-5MiB", url, "fixed", key)
-        load = measure(scenario, RSS_CALLERS, args.duration, args_hash, store)
+        load = measure(scenario, RSS_CALLERS, args.duration, args_hash, redis_counter(store))
         peak = proc_status_mb(proc.pid, "VmHWM")
     size = BIG_BODIES[RSS_PATH.rsplit("/", 1)[1]]
     memory = Memory(load, RSS_PATH, size, REST_SECONDS, rest, peak)
     print(f"  {report.memory_line(memory)}", flush=True)
     return memory
+
+
+def load_average() -> str:
+    return "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def measure_store(
+    args: argparse.Namespace,
+    workdir: Path,
+    ports: dict[str, int],
+    store: Store,
+    args_hash: str,
+    passthrough: bool,
+) -> list[Result]:
+    """first-exec and replay (and, with ``passthrough``, pass-through) at 1 and 32 callers
+    through a proxy process of the store's own, stopped before the next store starts."""
+    print(f"store {store.name}: {store.about}", flush=True)
+    with ExitStack() as stack:
+        name = f"proxy-{store.name}"
+        config = write_proxy_config(workdir, ports, False, store.url, name)
+        port = free_port()
+        start_proxy(stack, workdir, config, port, name=name)
+        proxy = f"http://127.0.0.1:{port}"
+        replay_key = fixed_key(f"replay-{store.name}", args_hash)
+        prime(f"{proxy}/tool", replay_key)
+        scenarios = [Scenario("passthrough", f"{proxy}/pass")] if passthrough else []
+        scenarios += [
+            Scenario("first-exec", f"{proxy}/tool", "unique", "s"),
+            Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
+        ]
+        results = run_grid(scenarios, CALLERS, args, args_hash=args_hash, store=store.counter)
+    return [r if r.scenario == "passthrough" else replace(r, store=store.name) for r in results]
+
+
+def measure_stores(
+    args: argparse.Namespace, workdir: Path, ports: dict[str, int], args_hash: str
+) -> tuple[list[Result], dict[str, str]]:
+    """nginx-hop, then every store of ``args.stores`` one after the other (pass-through
+    once, through the first store's proxy: it does not touch the store), then nginx-hop
+    again: the ratios are to the median of both hops, the drift between them is shown."""
+    hop = Scenario("nginx-hop", f"http://127.0.0.1:{ports['hop']}/tool")
+    meta = {"load_start": load_average(), "started": datetime.now(UTC).strftime("%H:%M")}
+    print("per store: nginx-hop before", flush=True)
+    results = run_grid([hop], CALLERS, args, args_hash="", store=None)
+    for i, name in enumerate(args.stores):
+        with ExitStack() as stack:
+            store = start_store(name, stack, workdir)
+            meta[f"about_{name}"] = store.about
+            results += measure_store(args, workdir, ports, store, args_hash, passthrough=i == 0)
+        meta[f"load_after_{name}"] = load_average()
+    print("per store: nginx-hop after", flush=True)
+    after = run_grid([hop], CALLERS, args, args_hash="", store=None)
+    results += [replace(r, store="after") for r in after]
+    meta["load_end"] = load_average()
+    meta["ended"] = datetime.now(UTC).strftime("%H:%M")
+    return results, meta
 
 
 # --- main --------------------------------------------------------------------------------
@@ -520,6 +568,17 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--no-docs", action="store_true", help=f"do not write {DOCS.name}")
     parser.add_argument(
+        "--stores",
+        default=",".join(STORES),
+        help="first executions and replays on each of these stores, comma-separated "
+        f"(default: {','.join(STORES)}); empty for none",
+    )
+    parser.add_argument(
+        "--stores-only",
+        action="store_true",
+        help=f"only nginx and the per-store measurement; rewrites only its section of {DOCS.name}",
+    )
+    parser.add_argument(
         "--no-offload",
         dest="offload",
         action="store_false",
@@ -530,6 +589,16 @@ def parse_args() -> argparse.Namespace:
         args.duration = 2
     if args.duration < 1 or args.rounds < 1:
         parser.error("--duration and --rounds must be at least 1")
+    args.stores = [name.strip() for name in args.stores.split(",") if name.strip()]
+    unknown = sorted(set(args.stores) - set(STORES))
+    if unknown:
+        parser.error(f"unknown store(s) {', '.join(unknown)}: choose from {', '.join(STORES)}")
+    if len(set(args.stores)) != len(args.stores):
+        parser.error("--stores names a store twice")
+    if args.stores_only and not args.stores:
+        parser.error("--stores-only needs at least one store")
+    if args.stores_only and args.clients:
+        parser.error("--stores-only and --clients exclude each other")
     return args
 
 
@@ -542,18 +611,25 @@ def run(args: argparse.Namespace, workdir: Path) -> Runs:
         start_nginx(stack, workdir, ports["upstream"], ports["hop"])
         if args.clients:
             return Runs(clients=compare_clients(stack, workdir, ports["upstream"], hop, args))
+        args_hash = composite_key("bench", 1, BODY.encode()).rsplit(":", 1)[1]
+        stores: list[Result] = []
+        stores_meta: dict[str, str] = {}
+        if args.stores_only:
+            stores, stores_meta = measure_stores(args, workdir, ports, args_hash)
+            return Runs(stores=stores, stores_meta=stores_meta)
         store = start_redis(stack, workdir, ports["redis"])
         config = write_proxy_config(workdir, ports, offload=args.offload)
         start_proxy(stack, workdir, config, ports["proxy"])
-        args_hash = composite_key("bench", 1, BODY.encode()).rsplit(":", 1)[1]
         results = measure_core(args, ports, store, args_hash)
         offload: list[Result] = []
         memory = None
         if args.offload:
             offload = measure_offload(args, workdir, ports, store, args_hash)
             memory = measure_memory(args, workdir, ports, store, args_hash)
+        if args.stores:
+            stores, stores_meta = measure_stores(args, workdir, ports, args_hash)
         clients = compare_clients(stack, workdir, ports["upstream"], hop, args)
-    return Runs(results, clients, offload, memory, measure_own_work(args))
+    return Runs(results, clients, offload, memory, measure_own_work(args), stores, stores_meta)
 
 
 def git_commit() -> str:
@@ -585,7 +661,7 @@ def main() -> int:
         "duration": args.duration,
         "rounds": args.rounds,
         "cores": os.cpu_count(),
-        "load": "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()),
+        "load": load_average(),
         "versions": versions(),
     }
     with tempfile.TemporaryDirectory(prefix="tool-proxy-bench-") as tmp:
@@ -597,9 +673,14 @@ def main() -> int:
     out = RESULTS / f"{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     out.write_text(json.dumps(raw, indent=2))
     print(f"\nraw results: {out.relative_to(ROOT)}")
-    if runs.results and not (args.quick or args.no_docs):
+    if args.quick or args.no_docs:
+        return 0
+    if runs.results:
         DOCS.write_text(report.markdown(meta, runs))
         print(f"wrote {DOCS.relative_to(ROOT)}")
+    elif runs.stores:
+        DOCS.write_text(report.with_stores_section(DOCS.read_text(), meta, runs))
+        print(f"wrote the per-store section of {DOCS.relative_to(ROOT)}")
     return 0
 
 
