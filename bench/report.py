@@ -722,6 +722,27 @@ The cost of traces, off and on, is in [tracing.md](tracing.md#overhead): off, no
 measurable; on with every request sampled, 4 to 8 times the proxy's own CPU per request
 (`bench/traced.py`, on/off alternately in one run); sampling a tenth, 1.6 to 2.5 times.
 
+## The hot path against earlier commits
+
+`bench/hot_path.py` run alternately with earlier commits on the same busy 2-core machine,
+2026-12-02 (10,000 requests, 3 rounds a run; the best run of each; main at `08576d3`).
+`c48c92c`'s own script was run with new keys for its first executions, as `5dea61a` fixed
+it (it measured replays there). Ratios main / the earlier commit, µs of CPU per request:
+
+| against | runs | pass-through | first execution | replay |
+|---|---|---|---|---|
+| `c48c92c` (the seams issue's reference) | 6 | 1.06 | 1.14 | 1.23 |
+| `0880570` (before the seams and stores work) | 5 | 0.97 | 1.02 | 0.98 |
+| `7b44ef6` (this session's start) | 6 (replays: 8) | 1.00 | 1.00 | 0.97 |
+
+Since `0880570` the fence at the send, per-caller scoping, sealed credentials, bounded
+state, the new stores, durability, replay counting and traces cost nothing measurable on
+these routes; against `c48c92c` first executions and replays are still slower. A profile
+says where: some 50 more Python calls per first execution than there (about 286 against
+233), spread over the capabilities added since (the fence, the claim's index, the
+recorded outcome's verdict, duplicate-member checks of JSON bodies, the job and task
+seams), no single one above a few per cent.
+
 ## Measurements behind design choices
 
 Measured once on the 2-core development machine and not rerun by this script; the code's
