@@ -9,7 +9,7 @@ from pydantic import (
     field_validator,
 )
 
-from proxy.config.fields import METHOD, Duration, Strict, Wait, check_statuses
+from proxy.config.fields import Duration, Strict, Wait, check_methods, check_statuses
 
 # How long a cached answer is served (routes[].cache.ttl), unless the tool says less.
 DEFAULT_CACHE_TTL = 24 * 3600.0
@@ -79,15 +79,8 @@ class CacheConfig(Strict):
     @field_validator("methods")
     @classmethod
     def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
-        upper = tuple(m.upper() for m in methods)
-        for method in upper:
-            if not METHOD.fullmatch(method):
-                raise ValueError(f"not an HTTP method: {method!r}")
-            if method == "HEAD":
-                raise ValueError("HEAD is never cached (its answer has no body to keep)")
-        if not upper:
-            raise ValueError("at least one method must be cached")
-        return upper
+        why = "HEAD is never cached (its answer has no body to keep)"
+        return check_methods(methods, "cached", ("HEAD",), why)
 
     @field_validator("statuses")
     @classmethod

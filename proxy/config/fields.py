@@ -33,6 +33,22 @@ def check_statuses(statuses: tuple[int, ...]) -> tuple[int, ...]:
     return statuses
 
 
+def check_methods(
+    methods: tuple[str, ...], what: str, refused: tuple[str, ...] = (), why: str = ""
+) -> tuple[str, ...]:
+    """``methods`` in upper case if each is an HTTP method and none is one of ``refused``
+    (ValueError saying ``why``), and there is one at least (``what`` is done to them)."""
+    upper = tuple(m.upper() for m in methods)
+    for method in upper:
+        if not METHOD.fullmatch(method):
+            raise ValueError(f"not an HTTP method: {method!r}")
+        if method in refused:
+            raise ValueError(why.format(method=method))
+    if not upper:
+        raise ValueError(f"at least one method must be {what}")
+    return upper
+
+
 def check_name(name: str, what: str) -> str:
     """``name`` if it may name a route or a limit (in logs and metrics), else ValueError."""
     if not _ROUTE_NAME.fullmatch(name):

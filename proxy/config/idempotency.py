@@ -11,7 +11,7 @@ from pydantic import (
     model_validator,
 )
 
-from proxy.config.fields import METHOD, Duration, Strict, Wait, check_statuses
+from proxy.config.fields import METHOD, Duration, Strict, Wait, check_methods, check_statuses
 from proxy.keys import Canonicalization, KeyKind
 
 # Guarded by default: the non-idempotent methods.
@@ -68,13 +68,7 @@ class IdempotencyConfig(Strict):
     @field_validator("methods")
     @classmethod
     def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
-        upper = tuple(m.upper() for m in methods)
-        for method in upper:
-            if not METHOD.fullmatch(method):
-                raise ValueError(f"not an HTTP method: {method!r}")
-        if not upper:
-            raise ValueError("at least one method must be guarded")
-        return upper
+        return check_methods(methods, "guarded")
 
     @field_validator("release_on_status")
     @classmethod

@@ -6,7 +6,14 @@ from pydantic import (
     field_validator,
 )
 
-from proxy.config.fields import HEADER_NAME, METHOD, Duration, Strict, Wait, check_json_source
+from proxy.config.fields import (
+    HEADER_NAME,
+    Duration,
+    Strict,
+    Wait,
+    check_json_source,
+    check_methods,
+)
 from proxy.numbers import whole
 
 # A resource lock's lease (routes[].lock.ttl): renewed every third of it while the call
@@ -104,12 +111,5 @@ class VersioningConfig(Strict):
     @field_validator("methods")
     @classmethod
     def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
-        upper = tuple(m.upper() for m in methods)
-        for method in upper:
-            if not METHOD.fullmatch(method):
-                raise ValueError(f"not an HTTP method: {method!r}")
-            if method in ("GET", "HEAD"):
-                raise ValueError(f"{method} is a read: it gets an ETag, it is never a write")
-        if not upper:
-            raise ValueError("at least one method must be versioned")
-        return upper
+        why = "{method} is a read: it gets an ETag, it is never a write"
+        return check_methods(methods, "versioned", ("GET", "HEAD"), why)
