@@ -556,9 +556,12 @@ class RouteJobs:
         if not await self.store.renew(op.key, owner, policy.lock_ttl, ttl):
             await self._expired_in_queue(job, op, owner, worker)
             return
-        running = await self.queue.move(
-            job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=job.attempts + 1, sent=True
-        )
+        try:
+            running = await self.queue.move(
+                job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=job.attempts + 1, sent=True
+            )
+        except StoreUnavailable:  # its start not confirmed (store.durability): not sent,
+            running = None  # back in the queue as the store answered
         if running is None:  # cancelled meanwhile, or the hold was lost: its wait goes on
             await self.store.renew(op.key, owner, self.config.max_queued, ttl)
             return

@@ -164,10 +164,13 @@ class Followers:
     def share(self, key: RecordKey, data: bytes) -> None:
         """Keep ``data`` (a worker's progress) in the store as the call's latest, for the
         followers on other replicas: written behind, the newest replacing any not written."""
-        if self.store is None or len(data) > MAX_SHARED_PROGRESS_BYTES:
+        if self.store is None:
             return
         self._numbered += 1
-        self._pending[key] = _shared_progress(self.origin, self._numbered, data)
+        shared = _shared_progress(self.origin, self._numbered, data)
+        if shared is None or len(shared) > MAX_SHARED_PROGRESS_BYTES:
+            return  # not UTF-8 (never raised into the answer's reader), or too large
+        self._pending[key] = shared
         if key not in self._writers:
             self._writers[key] = asyncio.create_task(self._write(key))
 
@@ -248,8 +251,13 @@ def progress_key(key: RecordKey) -> str:
     return f"mcp-progress|{digest}"
 
 
-def _shared_progress(origin: str, number: int, data: bytes) -> bytes:
-    return json.dumps({"origin": origin, "n": number, "note": data.decode()}).encode()
+def _shared_progress(origin: str, number: int, data: bytes) -> bytes | None:
+    """The value kept for ``data``; None if ``data`` is not UTF-8 (an SSE event must be)."""
+    try:
+        note = data.decode()
+    except UnicodeDecodeError:
+        return None
+    return json.dumps({"origin": origin, "n": number, "note": note}, ensure_ascii=False).encode()
 
 
 def _read_shared(value: bytes, origin: str) -> bytes | None:

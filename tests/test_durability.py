@@ -18,9 +18,12 @@ import pytest
 from proxy.config import parse_config
 from proxy.errors import ConfigError, StoreUnavailable
 from proxy.store import Durability, RecordKey, State, make_store
+from proxy.store.queue import JobState
 from proxy.store.redis import RedisStore, record_key
 from tests.conftest import ProxyFactory, new_key, route
 from tests.servers import CountingTool, RedisCluster, RedisServer, ReplicatedRedis, wait_for
+from tests.test_queue_contract import jid
+from tests.test_queue_contract import job as queue_job
 
 KEY = RecordKey("route|anon|plan|1", "a" * 64)
 ON = Durability(replicas=1, timeout=0.2)
@@ -107,6 +110,37 @@ async def test_an_outcome_no_replica_confirms_is_written_but_raised_to_be_writte
     redis_pair.catch_up()  # the journal's next try: the same outcome, confirmed now
     assert await durable.complete(KEY, "me", "fp", State.COMPLETED, b"v2 200", 60)
     assert _on_replica(redis_pair, KEY) == "completed"
+
+
+@pytest.mark.anyio
+async def test_a_jobs_start_no_replica_confirms_is_put_back_unsent(
+    durable: RedisStore, redis_pair: ReplicatedRedis
+) -> None:
+    """The move to RUNNING with ``sent`` is what keeps a taker from sending a job's call
+    again (every attempt renews its record as the same owner): unconfirmed, it is put
+    back in the queue unsent and raised, so the worker does not send; a failover can
+    only lose a start that was never sent."""
+    queue = durable.queue()
+    submitted = await queue.submit(queue_job(jid("durable-1")))
+    taken = await queue.take("slow", "w1", 30)
+    assert taken is not None and taken.id == submitted.id
+    redis_pair.lag()
+    with pytest.raises(StoreUnavailable, match="job's start was not confirmed"):
+        await queue.move(
+            taken.id, frozenset({JobState.QUEUED}), JobState.RUNNING, worker="w1",
+            attempts=1, sent=True,
+        )  # fmt: skip
+    back = await queue.get(taken.id)
+    assert back is not None and back.state is JobState.QUEUED
+    assert (back.sent, back.attempts) == (False, 0)
+    redis_pair.catch_up()
+    again = await queue.take("slow", "w2", 30)
+    assert again is not None and again.id == taken.id and not again.sent
+    running = await queue.move(
+        again.id, frozenset({JobState.QUEUED}), JobState.RUNNING, worker="w2",
+        attempts=1, sent=True,
+    )  # fmt: skip
+    assert running is not None and running.sent
 
 
 @pytest.mark.anyio

@@ -442,7 +442,8 @@ def test_shared_progress_reaches_other_processes_only_the_latest_and_bounded(
 ) -> None:
     """Unit: two ``Followers`` on one store, as two replicas. The worker's process hands
     its progress to its own followers once (its value in the store is not read back); the
-    other one reads the latest from the store; a note past the bound is not shared."""
+    other one reads the latest from the store; a note past the bound (as it is kept:
+    UTF-8, not escaped) or not UTF-8 is not shared, and never raises."""
     monkeypatch.setattr(mcp_tasks, "PROGRESS_POLL_SECONDS", 0.01)
     key = RecordKey("slot", "name")
 
@@ -456,6 +457,8 @@ def test_shared_progress_reaches_other_processes_only_the_latest_and_bounded(
                     worker.share(key, _progress(message))
                 await worker.flush(key)
                 worker.share(key, _progress("big", mcp_tasks.MAX_SHARED_PROGRESS_BYTES))
+                worker.share(key, _progress("é" * (mcp_tasks.MAX_SHARED_PROGRESS_BYTES // 3)))
+                worker.share(key, _progress("bad") + b"\xff")  # not UTF-8: not shared, no error
                 await worker.flush(key)
             async with asyncio.timeout(5):
                 got = [await there.get()]
@@ -468,4 +471,5 @@ def test_shared_progress_reaches_other_processes_only_the_latest_and_bounded(
     mine, got, kept = asyncio.run(scenario())
     assert [json.loads(n)["params"]["message"] for n in mine] == ["one", "two", "three"]
     assert [json.loads(n)["params"]["message"] for n in got] == ["three"]
-    assert kept is not None and b"big" not in kept
+    assert kept is not None and b"big" not in kept and b"bad" not in kept
+    assert len(kept) <= mcp_tasks.MAX_SHARED_PROGRESS_BYTES

@@ -197,3 +197,30 @@ async def test_a_legacy_set_index_is_still_listed(direct: RedisStore, redis_url:
     finally:
         client.close()
     assert [r.key for r in await direct.records(SCOPE)] == [step(1), step(2)]
+
+
+async def test_a_replay_is_served_by_a_redis_that_refuses_writes(
+    direct: RedisStore, redis_server: RedisServer
+) -> None:
+    """Counting a replay is a write; a Redis that refuses writes (noeviction over its
+    maxmemory, min-replicas-to-write unmet) still hands back the recorded outcome, its
+    count unchanged, where a claim script whose write failed would refuse it all."""
+    key = RecordKey("route|anon|plan|oom", "b" * 64)
+    assert (await direct.claim(key, "fp", "o", 5, 60)).claimed
+    assert await direct.complete(key, "o", "fp", State.COMPLETED, b"answer", 60)
+    assert (await direct.claim(key, "fp", "o2", 5, 60)).record.replays == 1  # type: ignore[union-attr]
+    admin = redis.Redis(port=redis_server.port)
+    policy = admin.config_get("maxmemory-policy")["maxmemory-policy"]
+    try:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            admin.set("probe", "x")  # Redis refuses writes now
+        replayed = (await direct.claim(key, "fp", "o3", 5, 60)).record
+        assert replayed is not None and replayed.payload == b"answer"
+        assert replayed.replays == 1
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.config_set("maxmemory-policy", policy)
+        admin.close()
+    assert (await direct.claim(key, "fp", "o4", 5, 60)).record.replays == 2  # type: ignore[union-attr]

@@ -1122,8 +1122,20 @@ class RedisQueue:
         expected = "," + ",".join(s.value for s in expect) + ","
         ms = max(int(due * 1000), 0)
         args = (expected, state.value, worker or "", ms, _token(), CHANNEL, *fields)
-        reply = await self._store._script(_MOVE_JOB, keys, *args)
-        return None if reply is None else _job(reply)
+        if not sent:
+            reply = await self._store._script(_MOVE_JOB, keys, *args)
+            return None if reply is None else _job(reply)
+        # The mark that the call is being sent is what keeps a taker from sending it again
+        # (every attempt renews the record as the same owner): confirmed as a claim is.
+        reply, unconfirmed = await self._store._durable(_MOVE_JOB, keys, *args)
+        if reply is None or unconfirmed is None:
+            return None if reply is None else _job(reply)
+        previous = None if attempts is None else attempts - 1
+        with contextlib.suppress(StoreError):  # back in the queue, not sent; else it lapses
+            await self.move(id, frozenset({state}), JobState.QUEUED, attempts=previous, sent=False)
+        raise StoreUnavailable(
+            f"redis store: the job's start was not confirmed ({unconfirmed}); not sent"
+        )
 
     async def list(self, state: JobState | None, cursor: str, count: int) -> tuple[str, list[Job]]:
         """Route by route (by shard), each route's jobs by id; the cursor is the last id

@@ -9,7 +9,10 @@ if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
   local served = ARGV[8] == '1' and r[2] == ARGV[2]
   if r[1] ~= 'in_progress' then
     local rp = r[8] or 0
-    if served then rp = redis.call('HINCRBY', KEYS[1], 'rp', 1) end
+    if served then -- counted if the store takes writes: a full or fenced one still replays
+      local counted = redis.pcall('HINCRBY', KEYS[1], 'rp', 1)
+      if type(counted) == 'number' then rp = counted end
+    end
     return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7], rp}
   end
   local left = tonumber(r[5] or 0) - now
