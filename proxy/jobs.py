@@ -556,9 +556,10 @@ class RouteJobs:
         if not await self.store.renew(op.key, owner, policy.lock_ttl, ttl):
             await self._expired_in_queue(job, op, owner, worker)
             return
+        attempt = job.attempts + 1
         try:
             running = await self.queue.move(
-                job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=job.attempts + 1, sent=True
+                job.id, QUEUED, JobState.RUNNING, worker=worker, attempts=attempt, sent=True
             )
         except StoreUnavailable:  # its start not confirmed (store.durability): not sent,
             running = None  # back in the queue as the store answered

@@ -210,7 +210,7 @@ async def test_a_replay_is_served_by_a_redis_that_refuses_writes(
     assert await direct.complete(key, "o", "fp", State.COMPLETED, b"answer", 60)
     assert (await direct.claim(key, "fp", "o2", 5, 60)).record.replays == 1  # type: ignore[union-attr]
     admin = redis.Redis(port=redis_server.port)
-    policy = admin.config_get("maxmemory-policy")["maxmemory-policy"]
+    policy = str(admin.config_get("maxmemory-policy")["maxmemory-policy"])
     try:
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", 1)
