@@ -220,6 +220,7 @@ class Proxy:
         self.max_json_depth = config.limits.max_json_depth
         self.auth = Authenticator(config.auth) if config.auth else None
         self.tokens = _downstream_tokens(config, store)
+        cached, versioned = config.cached_resources(), config.versioned_resources()
         chains = {
             r.name: build_chain(
                 r,
@@ -229,6 +230,8 @@ class Proxy:
                 self.log,
                 offload=self.offload,
                 max_json_depth=self.max_json_depth,
+                cached=cached,
+                versioned=versioned,
             )
             for r in config.routes
         }

@@ -608,7 +608,7 @@ class Console:
             pauses, complete = pauses_now(state, now), state.complete
         held: list[dict[str, Any]] = []
         for policy in [p for p in LOCK_POLICIES if getattr(route, p) is not None]:
-            found = await self._held(f"{route.name}|{policy}")
+            found = await self._held(route.resource_scope(policy))
             held += locks_now(policy, found, now)
             complete = complete and found.complete
         return {"limits": limits, "pauses": pauses, "locks": held, "state_partial": not complete}

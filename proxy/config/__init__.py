@@ -112,11 +112,14 @@ from proxy.config.resources import (
     DEFAULT_FENCING_HEADER,
     DEFAULT_RESOURCE_LOCK_TTL,
     DEFAULT_RESOURCE_WAIT,
+    DEFAULT_RESOURCE_WRITES,
     DEFAULT_VERSION_TTL,
     DEFAULT_VERSIONED_METHODS,
     LockConfig,
+    ResourceConfig,
     VersioningConfig,
     check_resource_key,
+    resource_scope,
 )
 from proxy.config.routes import (
     DEFAULT_TIMEOUT,
@@ -182,6 +185,7 @@ __all__ = [
     "DEFAULT_RELEASE_ON_STATUS",
     "DEFAULT_RESOURCE_LOCK_TTL",
     "DEFAULT_RESOURCE_WAIT",
+    "DEFAULT_RESOURCE_WRITES",
     "DEFAULT_RESULT_TTL",
     "DEFAULT_RETRY_AFTER",
     "DEFAULT_ROLES_CLAIM",
@@ -228,6 +232,7 @@ __all__ = [
     "OffloadConfig",
     "PauseScope",
     "ReconcileConfig",
+    "ResourceConfig",
     "RouteAuthConfig",
     "RouteConfig",
     "RouteProtocol",
@@ -252,6 +257,7 @@ __all__ = [
     "parse_duration",
     "parse_rate",
     "parse_wait",
+    "resource_scope",
 ]
 
 ENV_CONFIG = "TOOL_PROXY_CONFIG"
@@ -307,6 +313,24 @@ class Config(Strict):
         if self.admin is not None and self.admin.read_role is not None and self.auth is None:
             raise ValueError("admin.read_role: needs a top-level auth section with trusted issuers")
         return self
+
+    def cached_resources(self) -> frozenset[str]:
+        """The resources whose reads some route caches: their writes, on every route that
+        names them, invalidate those reads."""
+        return frozenset(
+            name
+            for route in self.routes
+            if route.cache is not None and (name := route.resource_name()) is not None
+        )
+
+    def versioned_resources(self) -> frozenset[str]:
+        """The named resources some route versions: their reads carry the ETag on every
+        route that caches them."""
+        return frozenset(
+            name
+            for route in self.routes
+            if route.versioning is not None and (name := route.resource_name()) is not None
+        )
 
     def journal_dir(self) -> Path | None:
         """The journal's directory: ``state_dir``; else the SQLite database's directory,

@@ -1,4 +1,4 @@
-"""``routes[].lock`` and ``routes[].versioning``: shared resources."""
+"""``routes[].resource``, ``routes[].lock`` and ``routes[].versioning``: shared resources."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from proxy.config.fields import (
     Wait,
     check_json_source,
     check_methods,
+    check_name,
 )
 from proxy.numbers import whole
 
@@ -67,18 +68,59 @@ def check_resource_key(key: str) -> str:
     )
 
 
+# The methods that write a named resource by default (routes[].resource.writes): a 2xx
+# answer (or an unknown outcome) of one supersedes the cached reads of the resource.
+DEFAULT_RESOURCE_WRITES = ("POST", "PUT", "PATCH", "DELETE")
+
+
+class ResourceConfig(Strict):
+    """What a request of the route is about, named once for its lock, its versions and
+    its cached reads; routes that give the same ``name`` share the resource (its lock, its
+    versions, the invalidation of its cached reads)."""
+
+    name: str | None = None
+    """None: the route's own name (the resource is the route's alone)."""
+    key: str
+    writes: tuple[str, ...] = DEFAULT_RESOURCE_WRITES
+    """The methods that change the resource (HTTP routes; on ``protocol: mcp`` routes every
+    ``tools/call`` the cache does not answer is a write)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str | None) -> str | None:
+        return None if name is None else check_name(name, "resource")
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        return check_resource_key(key)
+
+    @field_validator("writes")
+    @classmethod
+    def _upper_methods(cls, methods: tuple[str, ...]) -> tuple[str, ...]:
+        why = "{method} is a read: it never changes the resource"
+        return check_methods(methods, "a write", ("GET", "HEAD"), why)
+
+
+def resource_scope(name: str) -> str:
+    """The store scope of a named resource's versions and locks (``resource:<name>``: never
+    a route's own, which legacy ``lock.key`` and ``versioning.key`` use)."""
+    return f"resource:{name}"
+
+
 class LockConfig(Strict):
     """A per-resource lock: calls on one resource key run one at a time, across replicas."""
 
-    key: str
+    key: str | None = None
+    """None: the route's ``resource.key``."""
     ttl: Duration = DEFAULT_RESOURCE_LOCK_TTL
     wait: Wait = DEFAULT_RESOURCE_WAIT
     fencing_header: str = DEFAULT_FENCING_HEADER
 
     @field_validator("key")
     @classmethod
-    def _key(cls, key: str) -> str:
-        return check_resource_key(key)
+    def _key(cls, key: str | None) -> str | None:
+        return None if key is None else check_resource_key(key)
 
     @field_validator("fencing_header")
     @classmethod
@@ -95,7 +137,8 @@ class VersioningConfig(Strict):
     """Optimistic concurrency for a tool without it: a version per resource key, ETags,
     If-Match and If-None-Match checked before a write is forwarded."""
 
-    key: str
+    key: str | None = None
+    """None: the route's ``resource.key``."""
     methods: tuple[str, ...] = DEFAULT_VERSIONED_METHODS
     required: bool = False
     wait: Wait = DEFAULT_RESOURCE_WAIT
@@ -105,8 +148,8 @@ class VersioningConfig(Strict):
 
     @field_validator("key")
     @classmethod
-    def _key(cls, key: str) -> str:
-        return check_resource_key(key)
+    def _key(cls, key: str | None) -> str | None:
+        return None if key is None else check_resource_key(key)
 
     @field_validator("methods")
     @classmethod

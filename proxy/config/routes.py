@@ -17,7 +17,14 @@ from proxy.config.idempotency import IdempotencyConfig, ReconcileConfig
 from proxy.config.jobs import AsyncConfig, AsyncMode, WorkersConfig
 from proxy.config.limits import DEFAULT_PAUSE_MAX, LimitConfig, PauseScope, StoreDown
 from proxy.config.mcp import McpConfig, RouteProtocol
-from proxy.config.resources import LockConfig, VersioningConfig
+from proxy.config.resources import (
+    DEFAULT_RESOURCE_WAIT,
+    DEFAULT_VERSION_TTL,
+    LockConfig,
+    ResourceConfig,
+    VersioningConfig,
+    resource_scope,
+)
 from proxy.keys import KeyKind
 
 # The whole upstream exchange (connect, send, wait, read) must fit in this.
@@ -59,20 +66,80 @@ class RouteConfig(Strict):
     limits_on_store_down: StoreDown = StoreDown.CLOSED
     pause_scope: PauseScope = PauseScope.CALLER
     pause_max: Duration = DEFAULT_PAUSE_MAX
+    resource: ResourceConfig | None = None
     lock: LockConfig | None = None
     versioning: VersioningConfig | None = None
 
     @model_validator(mode="after")
-    def _principal_needs_auth(self) -> RouteConfig:
-        for name, part in (("lock", self.lock), ("versioning", self.versioning)):
-            if part is not None and part.key == "principal" and self.auth is None:
+    def _resource_keys(self) -> RouteConfig:
+        parts = (("resource", self.resource), ("lock", self.lock), ("versioning", self.versioning))
+        for name, part in parts:
+            if part is None:
+                continue
+            if name != "resource" and (part.key is None) == (self.resource is None):
+                raise ValueError(
+                    f"{name}.key: required without routes[].resource"
+                    if self.resource is None
+                    else f"{name}.key: the route names its resource (resource.key): drop it"
+                )
+            if part.key == "principal" and self.auth is None:
                 raise ValueError(f"{name}.key: principal needs the route's auth (a caller)")
+        if (
+            self.resource is not None
+            and self.protocol is RouteProtocol.MCP
+            and "writes" in self.resource.model_fields_set
+        ):
+            raise ValueError(
+                "resource.writes: not on protocol: mcp routes (every MCP request is a POST: "
+                "a tools/call the cache does not answer is a write of its resource)"
+            )
         return self
 
+    def resource_name(self) -> str | None:
+        """The name of the resource the route's requests are about (``resource.name``, else
+        the route's own name); None without ``routes[].resource``."""
+        if self.resource is None:
+            return None
+        return self.resource.name or self.name
+
+    def resource_scope(self, policy: str = "") -> str:
+        """Where the route's resource state is kept in the store: the named resource's
+        scope (shared by the routes that name it), or the route's own (legacy keys)."""
+        name = self.resource_name()
+        scope = self.name if name is None else resource_scope(name)
+        return f"{scope}|{policy}" if policy else scope
+
+    def resource_key(self, part: LockConfig | VersioningConfig | None = None) -> str:
+        """The key form that names a request's resource: ``part``'s own, or ``resource.key``."""
+        if part is not None and part.key is not None:
+            return part.key
+        assert self.resource is not None  # checked by _resource_keys
+        return self.resource.key
+
+    def version_ttl(self) -> float:
+        """How long the resource's versions are kept after their last use."""
+        return DEFAULT_VERSION_TTL if self.versioning is None else self.versioning.ttl
+
+    def write_methods(self) -> frozenset[str]:
+        """The methods that change the route's resource: ``resource.writes`` and the
+        versioned methods."""
+        writes = set(self.resource.writes) if self.resource is not None else set()
+        if self.versioning is not None:
+            writes |= set(self.versioning.methods)
+        return frozenset(writes)
+
     def resource_wait(self) -> float:
-        """The longest a call waits for its resource's lock and version reservation."""
+        """The longest a call waits for its resource's lock and version reservation (a
+        write of a resource with cached reads takes the reservation without versioning)."""
         lock = 0.0 if self.lock is None else self.lock.wait
-        return lock + (0.0 if self.versioning is None else self.versioning.wait)
+        return lock + self.reservation_wait()
+
+    def reservation_wait(self) -> float:
+        """How long a write waits for its resource's reservation: ``versioning.wait``;
+        without versioning, on a route with a resource, the default."""
+        if self.versioning is not None:
+            return self.versioning.wait
+        return 0.0 if self.resource is None else DEFAULT_RESOURCE_WAIT
 
     async_: AsyncConfig | None = Field(default=None, alias="async")
     workers: WorkersConfig = WorkersConfig()
@@ -130,12 +197,26 @@ class RouteConfig(Strict):
                 )
         elif cache.tools is not None:
             raise ValueError("cache.tools: only on protocol: mcp routes (tools/call answers)")
-        if self.versioning is not None:  # the cache is outermost: Versioning never sees a hit
+        if self.versioning is not None and self.resource is None:
             raise ValueError(
-                "cache and versioning: not on one route (a cached answer carries no ETag, "
-                "and a versioned write does not invalidate it: reads would be stale)"
+                "cache and versioning: on one route they need routes[].resource (so that "
+                "cached reads carry its ETag and its writes invalidate them)"
             )
+        if self.resource is not None and self.protocol is not RouteProtocol.MCP:
+            writes = sorted(set(cache.methods) & self.write_methods())
+            if writes and "methods" in cache.model_fields_set:
+                raise ValueError(
+                    f"cache.methods: {writes[0]} writes the route's resource (resource.writes, "
+                    "versioning.methods): a write is never answered from the cache"
+                )
         return self
+
+    def cached_methods(self) -> frozenset[str]:
+        """The methods whose answers the cache keeps: ``cache.methods``, but the resource's
+        writes (by default POST is both: on a route with a resource it is a write)."""
+        if self.cache is None:
+            return frozenset()
+        return frozenset(self.cache.methods) - self.write_methods()
 
     def cache_wait(self) -> float:
         """The longest a cache miss waits for an identical call's answer: by default as

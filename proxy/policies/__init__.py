@@ -33,6 +33,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.offload import Offload
 from proxy.store import Store
+from proxy.store.locks import Version
 
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 """Sends the request upstream and returns the answer, its body still to be read."""
@@ -59,6 +60,9 @@ class Context:
     fence: Fence | None = None
     """A guarded call's fence (``fence.py``): the send checks it; so does the cache before
     it answers a call from the store (a lease lost while the call waited: not answered)."""
+    version: Version | None = None
+    """The version of the request's resource, as the cache read it (a cached read on a
+    route with ``resource``): its ETag is set; versioning does not read it again."""
 
     def send_header(self, name: bytes, value: bytes) -> None:
         """Send ``name: value`` to the tool in place of any the caller sent (e.g. a
@@ -109,9 +113,13 @@ class Chain:
 
     @staticmethod
     def decorate(context: Context, response: Response) -> Response:
-        """Add the policies' headers (e.g. RateLimit) to the answer the caller gets."""
+        """Add the policies' headers (e.g. RateLimit) to the answer the caller gets; an
+        ``ETag`` of the proxy's (versioning, a cached resource) replaces the tool's."""
         if context.headers:
-            response.raw_headers = [*response.raw_headers, *context.headers]
+            kept = response.raw_headers
+            if any(name == b"etag" for name, _ in context.headers):
+                kept = [(k, v) for k, v in kept if k.lower() != b"etag"]
+            response.raw_headers = [*kept, *context.headers]
         return response
 
 
@@ -124,17 +132,33 @@ def build_chain(
     *,
     offload: Offload | None = None,
     max_json_depth: int | None = None,
+    cached: frozenset[str] = frozenset(),
+    versioned: frozenset[str] = frozenset(),
 ) -> Chain | None:
     """The route's chain from its configuration; None if it has no policy. ``offload``
-    keeps large cached answers; ``max_json_depth`` is ``limits.max_json_depth``."""
+    keeps large cached answers; ``max_json_depth`` is ``limits.max_json_depth``;
+    ``cached`` and ``versioned`` name the resources some route caches or versions
+    (``Config.cached_resources``): the writes of a cached one invalidate its reads, the
+    cached reads of a versioned one carry its ETag."""
     policies: list[Policy] = []
+    resource = route.resource_name()
+    invalidates = resource is not None and resource in cached
     if route.cache is not None:  # outermost: a hit takes no lock and no quota
         from proxy.policies.cache import Cache
 
         policies.append(
-            Cache(route, store, metrics, tasks, log, offload=offload, max_json_depth=max_json_depth)
+            Cache(
+                route,
+                store,
+                metrics,
+                tasks,
+                log,
+                offload=offload,
+                max_json_depth=max_json_depth,
+                etags=resource is not None and resource in versioned,
+            )
         )
-    if route.lock is not None or route.versioning is not None:
+    if route.lock is not None or route.versioning is not None or invalidates:
         from proxy.store import make_locks
 
         locks = make_locks(store)
@@ -142,10 +166,10 @@ def build_chain(
             from proxy.policies.lock import Lock
 
             policies.append(Lock(route, locks, metrics, tasks, log))
-        if route.versioning is not None:
+        if route.versioning is not None or invalidates:
             from proxy.policies.versioning import Versioning
 
-            policies.append(Versioning(route, locks, metrics, tasks, log))
+            policies.append(Versioning(route, locks, metrics, tasks, log, invalidates=invalidates))
     if route.limits is not None:
         from proxy.policies.limits import Limits
         from proxy.store import make_buckets

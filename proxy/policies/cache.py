@@ -42,6 +42,7 @@ from proxy.errors import (
     BadRequest,
     OffloadUnavailable,
     OutcomeUnknown,
+    ResourceKeyMissing,
     StoredResponseUnavailable,
     StoreError,
     StoreUnavailable,
@@ -52,7 +53,9 @@ from proxy.metrics import Metrics
 from proxy.offload import Offload, Spool
 from proxy.outcome import StoredResponse
 from proxy.policies import Call, Context, Forward
-from proxy.store import Store
+from proxy.policies.resources import Resource
+from proxy.policies.versioning import etag
+from proxy.store import Store, make_locks
 
 # The fill lock outlives the longest call of the route by this (the answer is stored
 # before the lock is freed); a replica that dies filling frees it when it lapses.
@@ -78,6 +81,10 @@ _PRIVATE_PREFIX = "cache-private|"
 _VERSION = b"c2"  # c1 kept the Vary'd values themselves: read as malformed, a miss
 # Never kept with a cached answer: it gets its own Age.
 _NOT_KEPT = frozenset({b"age"})
+# What a 304 keeps of the answer it stands for (RFC 9110 15.4.5; the ETag is the proxy's).
+_NOT_MODIFIED_KEPT = frozenset(
+    {b"cache-control", b"content-location", b"date", b"expires", b"vary"}
+)
 
 
 def _field(headers: RawHeaders, name: bytes) -> str:
@@ -117,10 +124,16 @@ def vary_digest(headers: RawHeaders, name: bytes) -> bytes:
     return hashlib.sha256(_field(headers, name).encode("latin-1")).hexdigest().encode()
 
 
-def encode_entry(stored_at: float, vary: RawHeaders, stored: StoredResponse) -> bytes:
-    """``c2 <stored at>``, the request's Vary fields (``name: <vary_digest>``) as lines, a
-    blank line, the answer (``StoredResponse.encode``)."""
-    lines = [b"%s %.3f" % (_VERSION, stored_at), *(k + b": " + v for k, v in vary)]
+def encode_entry(
+    stored_at: float, vary: RawHeaders, stored: StoredResponse, version: int | None = None
+) -> bytes:
+    """``c2 <stored at>`` (and `` <version>``: the resource's version the answer was read
+    at, on a route with ``resource``), the request's Vary fields (``name: <vary_digest>``)
+    as lines, a blank line, the answer (``StoredResponse.encode``)."""
+    first = b"%s %.3f" % (_VERSION, stored_at)
+    if version is not None:
+        first += b" %d" % version
+    lines = [first, *(k + b": " + v for k, v in vary)]
     return b"\r\n".join(lines) + b"\r\n\r\n" + stored.encode()
 
 
@@ -132,11 +145,20 @@ def decode_entry(value: bytes) -> tuple[float, RawHeaders, StoredResponse]:
     if version != _VERSION:
         raise StoreError("a cached answer is malformed")
     try:
-        stored_at = float(at)
+        stored_at = float(at.partition(b" ")[0])
     except ValueError as exc:
         raise StoreError("a cached answer is malformed") from exc
     vary = [(name, value) for name, _, value in (line.partition(b": ") for line in lines)]
     return stored_at, vary, StoredResponse.decode(payload)
+
+
+def entry_version(value: bytes) -> int | None:
+    """The resource version an entry was read at; None if it has none (or is a mark)."""
+    first = value[: value.find(b"\r\n")] if b"\r\n" in value else value
+    parts = first.split(b" ")
+    if len(parts) != 3 or parts[0] != _VERSION or not parts[2].isdigit():
+        return None
+    return int(parts[2])
 
 
 class Cached(UpstreamResponse):
@@ -308,6 +330,7 @@ class Cache:
         *,
         offload: Offload | None = None,
         max_json_depth: int | None = None,
+        etags: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         assert route.cache is not None
@@ -319,8 +342,15 @@ class Cache:
         self.log = log
         self.offload = offload
         self.clock = clock
-        self.methods = frozenset(config.methods)
+        self.methods = route.cached_methods()
         self.mcp = route.protocol is RouteProtocol.MCP
+        self.resource = None if route.resource is None else Resource.of(route)
+        """The resource a read is about: its entries are fenced by its version."""
+        self.locks = None if self.resource is None else make_locks(store)
+        self.version_ttl = route.version_ttl()
+        self.etags = etags and not self.mcp
+        """Reads carry the resource's ETag (some route versions it), and If-None-Match of
+        the current one is answered 304 from a fresh entry."""
         self.statuses = frozenset((200,) if self.mcp else config.statuses)  # a result: 200
         self.ttl = config.ttl
         self.per_principal = config.scope is CacheScope.PRINCIPAL
@@ -370,10 +400,36 @@ class Cache:
             key = self.key(context)
         except BadRequest:  # a body that has no digest: never cached, passed on
             return await self._bypass(context, forward, b"bypass", b"detail=body")
+        if self.resource is not None:
+            refused = await self._versioned(context)
+            if refused is not None:
+                return await self._bypass(context, forward, *refused)
         max_age = seconds(asked["max-age"]) if "max-age" in asked else None
         if "no-cache" in asked or max_age == 0:  # fresh: nothing to read or wait for
             return await self._forward(context, key, forward, b"request")
         return await self._lookup(context, key, forward, max_age)
+
+    async def _versioned(self, context: Context) -> tuple[bytes, bytes] | None:
+        """Read the version of the request's resource into the context (and its ETag into
+        the answer); or why the cache stays out of it: the request names no resource (it
+        could show any), a write of it is in flight or may have happened (its mark), or the
+        store cannot say (the call is forwarded; versioning, if any, asks again)."""
+        assert self.resource is not None and self.locks is not None
+        try:
+            key = self.resource.key(context)
+        except ResourceKeyMissing:
+            return b"bypass", b"detail=no-resource"
+        try:
+            version = await self.locks.version(self.resource.scope, key, self.version_ttl)
+        except StoreUnavailable as exc:
+            self.log.warning("cache_store_unavailable", route=self.route, error=exc.detail)
+            return b"miss", b"detail=store-unavailable"
+        context.version = version
+        if self.etags:
+            context.headers.append((b"etag", etag(version.number).encode()))
+        if version.writing:
+            return b"bypass", b"detail=writing"
+        return None
 
     async def _failed(self, context: Context, forward: Forward, exc: Exception) -> UpstreamResponse:
         """The cache itself failed before the send (a bug, an entry it cannot read): it
@@ -421,17 +477,19 @@ class Cache:
         pause = FIRST_POLL_SECONDS
         owner = next(self._owners)
         waited = False
+        current = None if context.version is None else context.version.number
         while True:
             try:
-                value, filling = await self._read(key, owner)
+                value, filling = await self._read(key, owner, current)
             except StoreUnavailable as exc:
                 return await self._store_down(context, forward, exc)
             if value == _PRIVATE and context.identity and not is_private(key):
                 key = private_key(key, context.identity)  # this caller's own, looked up
                 continue
-            if filling:
-                return await self._fill(context, key, forward, owner)
-            if value is not None:
+            if filling:  # fwd=stale: an entry of an earlier version, superseded by a write
+                fwd = b"miss" if value is None else b"stale"
+                return await self._fill(context, key, forward, owner, fwd)
+            if value is not None and _usable(value, current):
                 return await self._answer(context, key, forward, value, max_age, waited)
             left = deadline - loop.time()
             if left <= 0:
@@ -442,19 +500,22 @@ class Cache:
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, MAX_POLL_SECONDS)
 
-    async def _read(self, key: str, owner: str) -> tuple[bytes | None, bool]:
-        """The entry (or mark); else None, and True if this call now holds the fill lock
-        (False: another call holds it, on some replica)."""
+    async def _read(self, key: str, owner: str, current: int | None) -> tuple[bytes | None, bool]:
+        """The entry (or mark); else None (or an entry of a resource version other than
+        ``current``), and True if this call now holds the fill lock (False: another call
+        holds it, on some replica)."""
         value = await self.store.get_value(key)
-        if value is not None or not await self.store.acquire(key, owner, self.fill_ttl):
+        if value is not None and _usable(value, current):
+            return value, False
+        if not await self.store.acquire(key, owner, self.fill_ttl):
             return value, False
         try:
             value = await self.store.get_value(key)  # filled between the first read and the lock?
         except BaseException:  # not this call's to fill: its waiters must not wait for it
             self._unlock(key, owner)
             raise
-        if value is None:
-            return None, True
+        if value is None or not _usable(value, current):
+            return value, True
         self._unlock(key, owner)
         return value, False
 
@@ -490,6 +551,8 @@ class Cache:
         headers = context.request.scope["headers"]
         if any(vary_digest(headers, name) != wanted for name, wanted in vary):
             return b"vary-miss"
+        if self.etags and stored.status == 200 and _none_match(context):
+            return self._not_modified(context, stored, age)
         call = context.call
         body = await self._body(key, value, stored, whole=call is not None)
         if body is None:
@@ -512,6 +575,16 @@ class Cache:
         answer = Cached(stored, body)
         context.cached = True
         return answer
+
+    def _not_modified(self, context: Context, stored: StoredResponse, age: int) -> Cached:
+        """``304``: the caller holds the current version of a fresh entry (RFC 9110 15.4.5:
+        with the fields a 200 would carry about its caching; the ETag is the context's)."""
+        self.metrics.cache_decision(self.route, "hit")
+        context.headers.append((HEADER, HIT))
+        context.headers.append((b"age", str(age).encode()))
+        kept = [(k, v) for k, v in stored.headers if k.lower() in _NOT_MODIFIED_KEPT]
+        context.cached = True
+        return Cached(StoredResponse(304, kept, b""), b"")
 
     async def _body(
         self, key: str, value: bytes, stored: StoredResponse, *, whole: bool
@@ -563,7 +636,7 @@ class Cache:
         return await forward()
 
     async def _fill(
-        self, context: Context, key: str, forward: Forward, owner: str
+        self, context: Context, key: str, forward: Forward, owner: str, fwd: bytes
     ) -> UpstreamResponse:
         """The one call of identical misses: its waiters read its answer from the store."""
         try:
@@ -571,7 +644,7 @@ class Cache:
         except BaseException:
             self._give_up(key, owner)
             raise
-        return self._keep(context, key, upstream, b"miss", owner)
+        return self._keep(context, key, upstream, fwd, owner)
 
     async def _forward(
         self, context: Context, key: str, forward: Forward, fwd: bytes
@@ -680,7 +753,8 @@ class Cache:
             if owner:
                 self._give_up(key, owner)
             return None
-        return self.tasks.spawn(self._put(key, owner, stored, vary, ttl, body, entry))
+        version = None if context.version is None else context.version.number
+        return self.tasks.spawn(self._put(key, owner, stored, vary, ttl, body, entry, version))
 
     def _told(self, context: Context, fwd: bytes, *, kept: bool) -> None:
         """An MCP call's decision, once its answer is read: its Cache-Status member says
@@ -716,6 +790,7 @@ class Cache:
         ttl: float,
         body: bytes | Spool,
         entry: str,
+        version: int | None,
     ) -> None:
         """Store the answer (``stored``, with ``body``: in object storage when large) as
         ``entry`` (``key``, or the caller's own key with a mark "private" under ``key``),
@@ -726,7 +801,8 @@ class Cache:
                 stored = stored.offloaded(await self.offload.put(self.route, body, keep_for=ttl))
             else:
                 stored = stored.with_body(body.whole() if isinstance(body, Spool) else body)
-            await self.store.put_value(entry, encode_entry(self.clock(), vary, stored), ttl)
+            value = encode_entry(self.clock(), vary, stored, version)
+            await self.store.put_value(entry, value, ttl)
             if entry != key:  # the callers of key look under their own key from now on
                 await self.store.put_value(key, _PRIVATE, ttl)
         except (StoreUnavailable, OffloadUnavailable, OSError) as exc:
@@ -786,6 +862,28 @@ def fill_seconds(route: RouteConfig) -> float:
     sends, token fetches, the waits of the policies inside the cache), and
     FILL_MARGIN_SECONDS to store it. The default ``cache.wait`` is that call's bound."""
     return route.send_seconds() + FILL_MARGIN_SECONDS
+
+
+def _usable(value: bytes, current: int | None) -> bool:
+    """True unless ``value`` is an entry read at a version other than ``current`` (a
+    write of its resource superseded it); a mark serves every version."""
+    if current is None or value in (_MARK, _PRIVATE):
+        return True
+    return entry_version(value) == current
+
+
+def _none_match(context: Context) -> bool:
+    """True if the request's If-None-Match names the version the cache read (weak
+    comparison, RFC 9110 13.1.2: ``W/"5"`` is ``"5"``), or is ``*``."""
+    field = _field(context.request.scope["headers"], b"if-none-match")
+    if not field or context.version is None:
+        return False
+    current = str(context.version.number)
+    for tag in field.split(","):
+        tag = tag.strip().removeprefix("W/")
+        if tag == "*" or (tag.strip('"') == current and tag.startswith('"')):
+            return True
+    return False
 
 
 def _vary(headers: RawHeaders) -> list[bytes]:

@@ -27,7 +27,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
 from proxy.policies.limits import Settled
-from proxy.policies.resources import Held, Locker, resource_key
+from proxy.policies.resources import Held, Locker, Resource
 from proxy.store.locks import Locks
 
 
@@ -38,7 +38,7 @@ class Lock:
         self, route: RouteConfig, locks: Locks, metrics: Metrics, tasks: TaskSet, log: Any
     ) -> None:
         assert route.lock is not None
-        self.kind = route.lock.key
+        self.resource = Resource.of(route, route.lock)
         self.header = route.lock.fencing_header.lower().encode()
         self.locker = Locker(
             route.name,
@@ -50,11 +50,12 @@ class Lock:
             metrics,
             tasks,
             log,
+            scope=route.resource_scope("lock"),
         )
 
     def wrap(self, context: Context, forward: Forward) -> Forward:
         async def locked() -> UpstreamResponse:
-            held = await self.locker.take(resource_key(self.kind, context))
+            held = await self.locker.take(self.resource.key(context))
             context.send_header(self.header, str(held.token).encode())
             return await self._forward(held, forward)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.background import TaskSet
+from proxy.config import LockConfig, RouteConfig, VersioningConfig
 from proxy.errors import (
     LocksUnavailable,
     ResourceKeyMissing,
@@ -38,9 +39,11 @@ FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
 
 
-def resource_value(kind: str, context: Context) -> str:
+def resource_value(kind: str, context: Context, *, plain: bool = False) -> str:
     """The resource a request names (``json:``, ``header:``, ``path:``, ``principal``);
-    ``ResourceKeyMissing`` naming what is absent."""
+    ``ResourceKeyMissing`` naming what is absent. ``plain``: a JSON string member is its
+    text (``json:/account`` and ``path:0`` then name ``acc-42`` alike: a named resource's
+    routes may take it from different places); else every member is its JSON text."""
     if kind == "principal":
         value = context.principal
     elif kind.startswith("header:"):
@@ -49,16 +52,42 @@ def resource_value(kind: str, context: Context) -> str:
         value = _segment(context, int(kind[5:]))
     else:
         found = pointed(context.body, kind[5:])
-        value = "" if found is None else json.dumps(found, sort_keys=True)
+        if plain and isinstance(found, str):
+            value = found
+        else:
+            value = "" if found is None else json.dumps(found, sort_keys=True)
     if not value:
         raise ResourceKeyMissing(f"route {context.route.name} needs {_named(kind)} in the request")
     return value
 
 
 def resource_key(kind: str, context: Context) -> str:
-    """``<route>|<digest of the resource value>``: the store key of a request's resource."""
+    """``<route>|<digest of the resource value>``: the store key of a request's resource
+    on a route without ``routes[].resource`` (``Resource.key`` otherwise)."""
     digest = hashlib.sha256(resource_value(kind, context).encode()).hexdigest()[:32]
     return f"{context.route.name}|{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """What a route's requests are about, as one policy (lock, versioning, cache) names it:
+    the key form, and the scope its state is kept in (``RouteConfig.resource_scope``)."""
+
+    kind: str
+    scope: str
+    named: bool
+    """True for ``routes[].resource``: shared by the routes that name it."""
+
+    @classmethod
+    def of(cls, route: RouteConfig, part: LockConfig | VersioningConfig | None = None) -> Resource:
+        return cls(route.resource_key(part), route.resource_scope(), route.resource is not None)
+
+    def key(self, context: Context) -> str:
+        """The store key of the request's resource; ``ResourceKeyMissing`` if it names none."""
+        if not self.named:
+            return resource_key(self.kind, context)
+        value = resource_value(self.kind, context, plain=True)
+        return f"{self.scope}|{hashlib.sha256(value.encode()).hexdigest()[:32]}"
 
 
 def _segment(context: Context, index: int) -> str:
@@ -115,11 +144,14 @@ class Locker:
         metrics: Metrics,
         tasks: TaskSet,
         log: Any,
+        *,
+        scope: str | None = None,
     ) -> None:
         self.route = route
         self.policy = policy
-        # the scope of its fencing tokens: one counter per route and policy
-        self.scope = f"{route}|{policy}"
+        # the scope of its fencing tokens: one counter per route (or named resource) and
+        # policy
+        self.scope = scope or f"{route}|{policy}"
         self.locks = locks
         self.ttl = ttl
         self.wait = wait

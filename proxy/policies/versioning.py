@@ -1,11 +1,14 @@
-"""Versioned writes: optimistic concurrency for tools without it.
+"""Versioned writes: optimistic concurrency for tools without it; and the writes that
+invalidate a resource's cached reads.
 
-The proxy keeps a version per resource key: a number drawn from the route's counter,
-fresh (and unwritten) for a resource it has no entry of, kept ``versioning.ttl`` after
-its last use. Per call, around the send::
+The proxy keeps a version per resource key: a number drawn from the resource's counter
+(the route's, or a named resource's: ``routes[].resource``), fresh (and unwritten) for a
+resource it has no entry of, kept ``versioning.ttl`` after its last use. Per call, around
+the send::
 
     a read (a method not in versioning.methods, e.g. GET): the version, then forward
-        (a read without the key, e.g. a listing, is forwarded without an ETag);
+        (a read without the key, e.g. a listing, is forwarded without an ETag; a cached
+        read's version the cache read already: ``Context.version``);
         the answer carries ETag: "<version>" (read before the tool answers: a write in
         between makes the ETag older than the data, so a write from it gets 412, never
         a lost update)
@@ -21,6 +24,13 @@ Two writes with the same If-Match never both reach the tool: the second one read
 version only after the first one's bump. If that bump fails (the store, or this proxy,
 died after the send), the mark stays: the next write that finds it takes the write as
 done and draws a fresh version, so its If-Match fails too, whenever it comes.
+
+A write of a resource whose reads some route caches (``invalidates``) takes the same
+path, with no precondition unless its method is versioned: its bump supersedes every
+cached read of the resource (the cache keeps each answer with the version it was read
+at, and serves it only while that is still the version, with no write's mark on it), on
+every replica, before its answer reaches the caller. A write that names no resource (a
+method of ``resource.writes`` without the key) is forwarded and invalidates nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.background import TaskSet
-from proxy.config import RouteConfig
+from proxy.config import RouteConfig, RouteProtocol
 from proxy.errors import (
     NOT_SENT,
     LocksUnavailable,
@@ -41,7 +51,7 @@ from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
 from proxy.policies.limits import Settled, header_value
-from proxy.policies.resources import Held, Locker, resource_key
+from proxy.policies.resources import Held, Locker, Resource
 from proxy.store.locks import Locks, Version
 
 # The lease of a write's reservation, renewed every third of it while the call runs.
@@ -73,17 +83,30 @@ def etag(number: int) -> str:
 
 
 class Versioning:
-    """The versioning policy of one route."""
+    """The versioning policy of one route; with ``invalidates``, also the writes of a
+    resource some route caches (``resource.writes``), unchecked unless versioned."""
 
     def __init__(
-        self, route: RouteConfig, locks: Locks, metrics: Metrics, tasks: TaskSet, log: Any
+        self,
+        route: RouteConfig,
+        locks: Locks,
+        metrics: Metrics,
+        tasks: TaskSet,
+        log: Any,
+        *,
+        invalidates: bool = False,
     ) -> None:
-        assert route.versioning is not None
+        config = route.versioning
         self.route = route.name
-        self.kind = route.versioning.key
-        self.methods = frozenset(route.versioning.methods)
-        self.required = route.versioning.required
-        self.ttl = route.versioning.ttl
+        self.resource = Resource.of(route, config)
+        self.scope = self.resource.scope
+        self.checked = frozenset(() if config is None else config.methods)
+        """The writes whose preconditions are checked, and whose answers carry the ETag."""
+        self.writes = route.write_methods() if invalidates else self.checked
+        self.mcp = route.protocol is RouteProtocol.MCP
+        self.etags = config is not None
+        self.required = config is not None and config.required
+        self.ttl = route.version_ttl()
         self.locks = locks
         self.metrics = metrics
         self.tasks = tasks
@@ -93,19 +116,22 @@ class Versioning:
             "versioning",
             locks,
             RESERVATION_TTL_SECONDS,
-            route.versioning.wait,
+            route.reservation_wait(),
             route.timeout,
             metrics,
             tasks,
             log,
+            scope=route.resource_scope("versioning"),
         )
 
     def wrap(self, context: Context, forward: Forward) -> Forward:
         async def versioned() -> UpstreamResponse:
-            if context.request.method in self.methods:
-                return await self._write(context, resource_key(self.kind, context), forward)
+            if self._writes(context):
+                return await self._write(context, forward)
+            if not self.etags or context.version is not None:  # the cache read it
+                return await forward()
             try:
-                key = resource_key(self.kind, context)
+                key = self.resource.key(context)
             except ResourceKeyMissing:  # a read of no one resource (e.g. a listing)
                 return await forward()
             version = await self._version(key)
@@ -115,7 +141,23 @@ class Versioning:
 
         return versioned
 
-    async def _write(self, context: Context, key: str, forward: Forward) -> UpstreamResponse:
+    def _writes(self, context: Context) -> bool:
+        """True for a write: a method of ``writes``; on an MCP route, a ``tools/call`` the
+        cache does not answer (every one is a POST)."""
+        if self.mcp and context.call is not None:  # a read-only tool's, cached
+            return False
+        return context.request.method in self.writes
+
+    async def _write(self, context: Context, forward: Forward) -> UpstreamResponse:
+        checked = self.etags and context.request.method in self.checked
+        try:
+            key = self.resource.key(context)
+        except ResourceKeyMissing:
+            if checked:
+                raise
+            return await forward()  # a write of no one resource: nothing to invalidate
+        if not checked:
+            return await self._reserved(context, key, forward, None, None)
         if_match = _tags(header_value(context, b"if-match"))
         if_none_match = _tags(header_value(context, b"if-none-match"))
         if if_match is None and if_none_match is None and self.required:
@@ -125,6 +167,18 @@ class Versioning:
                 'send If-Match: "<version>" (the ETag of a read), or If-None-Match: * '
                 "for the first write"
             )
+        return await self._reserved(context, key, forward, if_match, if_none_match)
+
+    async def _reserved(
+        self,
+        context: Context,
+        key: str,
+        forward: Forward,
+        if_match: set[str] | None,
+        if_none_match: set[str] | None,
+    ) -> UpstreamResponse:
+        """The write, holding the resource's reservation: marked, checked, sent, bumped."""
+        checked = self.etags and context.request.method in self.checked
         held = await self.locker.take("v|" + key)
         try:
             version = await self._begin(key, held)
@@ -145,12 +199,14 @@ class Versioning:
             raise
         self.metrics.resource_decision(self.route, "versioning", "forwarded")
         if not _may_have_written(upstream.status):
-            context.headers.append((b"etag", etag(version.number).encode()))
+            if checked:
+                context.headers.append((b"etag", etag(version.number).encode()))
             return Settled(upstream, lambda body, whole: self._refused(key, held, whole))
         bumped = await self._bump(key, held)
         if bumped is None:  # the reservation is left to lapse: nothing more to free
             return upstream
-        context.headers.append((b"etag", etag(bumped).encode()))
+        if checked:
+            context.headers.append((b"etag", etag(bumped).encode()))
         # the reservation is held until the answer has been read: no other write of this
         # resource reaches the tool while this one may still be at work
         return Settled(upstream, lambda body, whole: self._settled(held, whole))
@@ -176,7 +232,7 @@ class Versioning:
 
     async def _clear(self, key: str, held: Held) -> None:
         try:
-            await self.locks.settle(self.route, key, held.owner, False, self.ttl)
+            await self.locks.settle(self.scope, key, held.owner, False, self.ttl)
         except StoreUnavailable as exc:  # the mark stays: the next write draws a fresh one
             self.log.warning("version_mark_not_cleared", route=self.route, error=exc.detail)
         finally:
@@ -184,13 +240,13 @@ class Versioning:
 
     async def _version(self, key: str) -> Version:
         try:
-            return await self.locks.version(self.route, key, self.ttl)
+            return await self.locks.version(self.scope, key, self.ttl)
         except StoreUnavailable as exc:
             raise self._unavailable() from exc
 
     async def _begin(self, key: str, held: Held) -> Version:
         try:
-            return await self.locks.begin(self.route, key, held.owner, self.ttl)
+            return await self.locks.begin(self.scope, key, held.owner, self.ttl)
         except StoreUnavailable as exc:
             raise self._unavailable() from exc
 
@@ -206,7 +262,7 @@ class Versioning:
         reservation is left to lapse, and a mark left behind makes the next write draw a
         fresh version: its If-Match fails)."""
         try:
-            number = await self.locks.settle(self.route, key, held.owner, True, self.ttl)
+            number = await self.locks.settle(self.scope, key, held.owner, True, self.ttl)
         except StoreUnavailable as exc:
             self.log.error("version_bump_failed", route=self.route, error=exc.detail)
             number = None

@@ -89,6 +89,9 @@ class Version:
 
     number: int
     written: bool
+    writing: bool = False
+    """A write's mark is there: a write through the proxy is in flight, or one whose settle
+    never came (it may have happened)."""
 
 
 class Locks(Protocol):
