@@ -122,12 +122,13 @@ async def test_a_resource_without_an_entry_gets_a_fresh_unwritten_version_kept(
 
 async def test_a_settled_write_moves_the_version_a_refused_one_keeps_it(locks: Locks) -> None:
     start = await locks.begin(SCOPE, KEY, "a", TTL)
-    assert start == Version(1, False)
+    assert start == Version(1, False, writing=True)
     assert await locks.settle(SCOPE, KEY, "a", True, TTL) == 2
     assert await locks.version(SCOPE, KEY, TTL) == Version(2, True)
-    assert await locks.begin(SCOPE, KEY, "b", TTL) == Version(2, True)
+    assert await locks.begin(SCOPE, KEY, "b", TTL) == Version(2, True, writing=True)
     assert await locks.settle(SCOPE, KEY, "b", False, TTL) == 2
-    assert await locks.begin(SCOPE, KEY, "c", TTL) == Version(2, True)  # b's mark is gone
+    # b's mark is gone: the same number
+    assert await locks.begin(SCOPE, KEY, "c", TTL) == Version(2, True, writing=True)
 
 
 async def test_begin_and_settle_can_be_repeated(locks: Locks) -> None:
@@ -150,6 +151,56 @@ async def test_a_write_left_unsettled_makes_the_next_one_draw_a_fresh_version(
     assert after.written and after.number > before.number
     assert await locks.settle(SCOPE, KEY, "a", True, TTL) is None  # a's mark was taken over
     assert await locks.settle(SCOPE, KEY, "b", False, TTL) == after.number
+
+
+async def test_a_fresh_resource_is_not_being_written(locks: Locks) -> None:
+    assert not (await locks.version(SCOPE, KEY, TTL)).writing
+    assert not (await locks.version(SCOPE, KEY, TTL)).writing  # kept, still not
+
+
+async def test_a_mark_makes_the_version_writing_until_it_is_settled(locks: Locks) -> None:
+    """A write in flight keeps the number; ``writing`` tells a reader that keys anything
+    on it (the response cache) not to trust it meanwhile."""
+    before = await locks.version(SCOPE, KEY, TTL)
+    begun = await locks.begin(SCOPE, KEY, "a", TTL)
+    assert begun == Version(before.number, False, writing=True)  # its own mark
+    assert await locks.version(SCOPE, KEY, TTL) == Version(before.number, False, writing=True)
+    assert await locks.begin(SCOPE, KEY, "a", TTL) == begun  # a resend: the same
+    written = await locks.settle(SCOPE, KEY, "a", True, TTL)
+    assert written is not None and written > before.number
+    assert await locks.version(SCOPE, KEY, TTL) == Version(written, True, writing=False)
+    assert (await locks.begin(SCOPE, KEY, "b", TTL)).writing
+    assert (await locks.version(SCOPE, KEY, TTL)).writing
+    assert await locks.settle(SCOPE, KEY, "b", False, TTL) == written
+    assert await locks.version(SCOPE, KEY, TTL) == Version(written, True, writing=False)
+
+
+async def test_a_mark_whose_settle_never_came_stays_writing_until_the_next_write_settles(
+    locks: Locks, later: Later
+) -> None:
+    """The store failed (or the proxy died) between a's send and its bump: the number is
+    the old one, so every read says writing, however long (within the version's ttl),
+    until another owner's write draws a fresh number and settles."""
+    before = await locks.begin(SCOPE, KEY, "a", TTL)
+    for _ in range(3):
+        await later(0.2)  # reads keep the version (and the mark) past its first ttl
+        assert await locks.version(SCOPE, KEY, TTL) == Version(before.number, False, True)
+    after = await locks.begin(SCOPE, KEY, "b", TTL)
+    assert after.number > before.number and after.writing
+    assert (await locks.version(SCOPE, KEY, TTL)).writing  # b's mark now
+    assert await locks.settle(SCOPE, KEY, "a", False, TTL) is None  # not a's any more
+    assert (await locks.version(SCOPE, KEY, TTL)).writing
+    assert await locks.settle(SCOPE, KEY, "b", False, TTL) == after.number
+    assert await locks.version(SCOPE, KEY, TTL) == Version(after.number, True, writing=False)
+
+
+async def test_a_mark_whose_settle_never_came_is_forgotten_with_its_version(
+    locks: Locks, later: Later
+) -> None:
+    before = await locks.begin(SCOPE, KEY, "a", TTL)
+    await later(TTL + 0.05)
+    fresh = await locks.version(SCOPE, KEY, TTL)
+    assert fresh.number > before.number and fresh == Version(fresh.number, False, False)
 
 
 async def test_a_version_expires_after_its_ttl_since_its_last_use_and_comes_back_fresh(

@@ -242,9 +242,47 @@ async def test_version_2_upgrades_a_version_1_database_whose_replicas_keep_worki
             old = conn.execute(v1_claim, (*args, "b")).fetchone()
             versions = conn.execute("SELECT version FROM tool_proxy.schema_version").fetchall()
         assert old is not None and len(old) == 11 and old[:2] == (False, None)
-        assert versions == [(1,), (2,)]
+        assert versions == [(version,) for version, _ in MIGRATIONS]
         replayed = await store.claim(KEY, "fp", "c", 5, 60)
         assert replayed.record is not None and replayed.record.replays == 2
+    finally:
+        await store.close()
+        postgres_server.drop_database(dbname)
+
+
+async def test_version_3_upgrades_a_version_2_database_whose_replicas_keep_working(
+    postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version's mark in its answer (version 3) on a database of version 2: the mark a
+    replica of version 2 left is seen as writing, and version 1's ``version_op``, as those
+    replicas still running call it, answers as before (two columns) on the same entries."""
+    dbname = postgres_server.create_database()
+    v1_op = "SELECT * FROM tool_proxy.version_op(%s, 'scope', 'res', %s, %s, 60, 0, NULL)"
+    with monkeypatch.context() as patch:
+        patch.setattr(postgres, "MIGRATIONS", MIGRATIONS[:2])
+        async with await psycopg.AsyncConnection.connect(
+            parse_postgres_url(postgres_server.url(dbname)).conninfo, autocommit=True
+        ) as conn:
+            assert await postgres.migrate(conn, "tool_proxy") == 2
+    with postgres_server.admin(dbname) as conn:
+        begun = conn.execute(v1_op, ("begin", "old", False)).fetchone()
+    assert begun == (1, False)
+    store = PostgresStore(postgres_server.url(dbname))
+    try:
+        await store.open()
+        locks = make_locks(store)
+        assert (await locks.version("scope", "res", 60)).writing  # the old replica's mark
+        with postgres_server.admin(dbname) as conn:
+            assert conn.execute(v1_op, ("read", "", False)).fetchone() == (1, False)
+            assert conn.execute(v1_op, ("settle", "old", True)).fetchone() == (2, True)
+            versions = conn.execute("SELECT version FROM tool_proxy.schema_version").fetchall()
+        assert versions == [(1,), (2,), (3,)]
+        settled = await locks.version("scope", "res", 60)
+        assert (settled.number, settled.written, settled.writing) == (2, True, False)
+        assert (await locks.begin("scope", "res", "new", 60)).writing
+        with postgres_server.admin(dbname) as conn:  # an old replica's read meanwhile
+            assert conn.execute(v1_op, ("read", "", False)).fetchone() == (2, True)
+        assert await locks.settle("scope", "res", "new", False, 60) == 2
     finally:
         await store.close()
         postgres_server.drop_database(dbname)

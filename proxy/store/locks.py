@@ -20,17 +20,23 @@ acquisition gets a *fencing token*, the next value of the scope's counter, kept 
 lock while it is held: a tool can refuse a write that carries a smaller token than one it
 has seen (a holder that lost its lock).
 
-A version is a number and whether a write through the proxy set it. A resource with no
-entry (never seen, or not seen for ``ttl``) gets a fresh, unwritten one. A write marks
-its resource before it is sent (``begin``) and settles the mark afterwards (``settle``):
-a mark left unsettled (the store failed, or the proxy died, between the send and the bump)
-means the write may have happened, so the next ``begin`` draws a fresh number, and every
-``If-Match`` of the old one fails.
+A version is a number, whether a write through the proxy set it, and whether a write's
+mark is there now (``writing``). A resource with no entry (never seen, or not seen for
+``ttl``) gets a fresh, unwritten one. A write marks its resource before it is sent
+(``begin``) and settles the mark afterwards (``settle``): a mark left unsettled (the
+store failed, or the proxy died, between the send and the bump) means the write may have
+happened, so the next ``begin`` draws a fresh number, and every ``If-Match`` of the old
+one fails.
 
-    version   ──▶ (number, written)               reads: the ETag
+    version   ──▶ (number, written, writing)      reads: the ETag
     begin     ──▶ mark the write (a stale mark: a fresh number, written)
       └─▶ send ──▶ settle(wrote=True): a fresh number, written; the mark cleared
              └──▶ settle(wrote=False): the mark cleared, the number kept
+
+A number stays while a write is in flight, and after a write whose bump failed (its mark
+left): so a reader that keys anything on the number (the response cache) must not trust
+it while ``writing`` is True. A mark goes with its ``settle``, or with the next owner's
+``begin`` and ``settle``, or with the version when its ``ttl`` lapses.
 
 ``held`` reads the locks of a scope without changing them (the operator console).
 """
@@ -84,14 +90,14 @@ def locks_held(found: list[HeldLock], limit: int, seen: bool) -> LocksHeld:
 
 @dataclass(frozen=True, slots=True)
 class Version:
-    """A resource's version: a number drawn from its scope's counter, and whether a write
-    through the proxy set it (False for a resource the store had no entry of)."""
+    """A resource's version: a number drawn from its scope's counter, whether a write
+    through the proxy set it (False for a resource the store had no entry of), and
+    ``writing``: a write's mark is there (a write through the proxy is in flight, or one
+    whose settle never came: it may have happened, and the number not moved)."""
 
     number: int
     written: bool
     writing: bool = False
-    """A write's mark is there: a write through the proxy is in flight, or one whose settle
-    never came (it may have happened)."""
 
 
 class Locks(Protocol):
@@ -113,12 +119,13 @@ class Locks(Protocol):
 
     async def version(self, scope: str, key: str, ttl: float) -> Version:
         """The resource's version, kept ``ttl`` more; a fresh unwritten one if it has no
-        entry."""
+        entry. ``writing`` is True while any owner's mark is there (unsettled)."""
 
     async def begin(self, scope: str, key: str, owner: str, ttl: float) -> Version:
         """Mark a write of ``owner`` (who holds the resource's reservation) and return the
         version it is checked against: a fresh written one if another owner's mark was
-        left unsettled (that write may have happened)."""
+        left unsettled (that write may have happened). ``writing`` is True: ``owner``'s
+        mark is there now."""
 
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         """Clear ``owner``'s mark; if ``wrote``, move the version to a fresh number. The

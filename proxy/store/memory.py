@@ -457,7 +457,7 @@ class MemoryLocks:
         now = self._clock()
         entry.until = now + ttl
         _touch(self._versions, (scope, key), entry, now)
-        return Version(entry.number, entry.written)
+        return Version(entry.number, entry.written, entry.pending != "")
 
     async def version(self, scope: str, key: str, ttl: float) -> Version:
         return self._keep(scope, key, self._entry(scope, key, self._clock()), ttl)

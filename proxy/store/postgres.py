@@ -73,8 +73,13 @@ MAX_PAYLOAD_BYTES = 1_000_000_000 - 64 * 1024
 # of the schema is a new file (CREATE OR REPLACE FUNCTION, ALTER TABLE), never an edit
 # of one that databases have applied already.
 # Version 2 added the replays counter (new ``_v2`` functions; version 1's still answer
-# as before, for its replicas running during a rolling upgrade).
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, "postgres.sql"), (2, "postgres-2.sql"))
+# as before, for its replicas running during a rolling upgrade); version 3 a version's
+# mark in its answer (``version_op_v3``; ``version_op`` answers as before).
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (1, "postgres.sql"),
+    (2, "postgres-2.sql"),
+    (3, "postgres-3.sql"),
+)
 # The advisory lock that serializes migrations of replicas starting at once.
 MIGRATION_LOCK = 0x746F6F6C70727879  # "toolprxy"
 # Where job changes are told (NOTIFY), within the database.
@@ -582,7 +587,7 @@ class PostgresLocks:
 
     async def settle(self, scope: str, key: str, owner: str, wrote: bool, ttl: float) -> int | None:
         rows = await self._store.call(
-            "version_op", ("settle", scope, key, owner, wrote, ttl, counter_start())
+            "version_op_v3", ("settle", scope, key, owner, wrote, ttl, counter_start())
         )
         return int(rows[0][0]) if rows else None
 
@@ -595,10 +600,10 @@ class PostgresLocks:
     async def _version(
         self, op: str, scope: str, key: str, owner: str, wrote: bool, ttl: float
     ) -> Version:
-        ((number, written),) = await self._store.call(
-            "version_op", (op, scope, key, owner, wrote, ttl, counter_start())
+        ((number, written, writing),) = await self._store.call(
+            "version_op_v3", (op, scope, key, owner, wrote, ttl, counter_start())
         )
-        return Version(int(number), bool(written))
+        return Version(int(number), bool(written), bool(writing))
 
 
 def _scoped(scope: str, key: str) -> str:

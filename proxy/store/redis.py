@@ -927,7 +927,7 @@ class RedisLocks:
 
 def _version(key: str, reply: Any) -> Version:
     try:
-        return Version(int(reply[0]), bool(int(reply[1])))
+        return Version(int(reply[0]), bool(int(reply[1])), bool(int(reply[2])))
     except (ValueError, TypeError, IndexError) as exc:
         raise StoreError(f"redis store: malformed version reply for {key}") from exc
 

@@ -895,7 +895,7 @@ def _keep_version(
         " (SELECT key FROM resource_versions WHERE until <= ? LIMIT ?)",
         (now, SWEEP_EACH),
     )
-    return Version(entry[0], entry[1])
+    return Version(entry[0], entry[1], entry[2] != "")
 
 
 def _read_version(db: sqlite3.Connection, now: float, scope: str, key: str, ttl: float) -> Version:

@@ -1,5 +1,6 @@
--- KEYS: version, the scope's counter. ARGV: owner, ttl (ms). Returns {number, written}:
--- another owner's mark left unsettled gives a fresh written number (it may have written).
+-- KEYS: version, the scope's counter. ARGV: owner, ttl (ms). Returns {number, written,
+-- 1} (writing: the owner's mark is there now): another owner's mark left unsettled gives
+-- a fresh written number (it may have written).
 --- @include "version"
 local r = entry()
 if r[3] ~= '' and r[3] ~= ARGV[1] then
