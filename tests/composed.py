@@ -2,7 +2,7 @@
 
 In the spirit of Jepsen: simulated agents (retrying, replanning, polling operations)
 call routes that combine idempotency, a lock with fencing tokens, limits, versioning, the
-response cache and async operations, through ``tool-proxy serve`` replicas on one real
+response cache (on its own, and on a versioned resource) and async operations, through ``tool-proxy serve`` replicas on one real
 redis-server and one replica on SQLite, while a nemesis kills (SIGKILL, then restarts),
 freezes (SIGSTOP/SIGCONT) replicas, pauses Redis (``CLIENT PAUSE`` or SIGSTOP) and the
 tool stalls, resets connections or answers 429/503. Every answer a caller got is kept
@@ -13,6 +13,9 @@ lapse, each key is sent once more, and ``check`` reads the invariants off both l
 - ``at-most-once``: at most one execution per key (route, store, principal, key);
 - ``fencing``: fencing tokens strictly increasing per resource, as the tool sees them;
 - ``lost-update``: no versioned write accepted that was based on a stale read;
+- ``stale-read``: no read of a document (cached: the doc route names its resource, whose
+  versioned writes invalidate the cached reads) older than a write of it whose answer
+  its caller had before the read was sent;
 - ``replay``: every answer a caller got under a key is what its retries replay (an
   unknown outcome may later become the tool's answer, as documented; never the reverse,
   nor one answer for another), and an operation's state, its result and the key agree;
@@ -171,6 +174,18 @@ class Answer:
     @property
     def known(self) -> bool:
         return self.recorded and self.problem is None
+
+
+@dataclass
+class Read:
+    """One read of a document an agent got (the ``stale-read`` check)."""
+
+    ns: str
+    doc: str
+    rev: int
+    sent: float
+    cache: str
+    """Its Cache-Status."""
 
 
 @dataclass
@@ -411,8 +426,10 @@ def routes(tool: str, shape: Shape, *, sqlite: bool) -> list[dict[str, Any]]:
     doc = guarded(
         "doc",
         "/doc",
-        lock={"key": "header:X-Doc", "ttl": "10s", "wait": "3s"},
-        versioning={"key": "header:X-Doc", "methods": ["POST"], "required": True, "wait": "3s"},
+        resource={"name": "doc", "key": "header:X-Doc"},
+        lock={"ttl": "10s", "wait": "3s"},
+        versioning={"methods": ["POST"], "required": True, "wait": "3s"},
+        cache={"ttl": "30s", "methods": ["GET"]},  # reads: fenced by the doc's version
     )
     if sqlite:
         return [ledger, doc]
@@ -630,6 +647,7 @@ class History:
     errors: Counter[str] = field(default_factory=Counter)
     """Transport errors by kind (refused connections, the agents' own timeouts, ...)."""
     attempts: int = 0
+    reads: list[Read] = field(default_factory=list)
 
 
 def _problem(response: httpx.Response) -> str | None:
@@ -697,6 +715,7 @@ class Agent:
         for _ in range(self.shape.max_attempts):
             proxy = self.rng.choice(self.system.group(self.ns))
             headers = {"authorization": self.auth, "x-doc": doc}
+            sent = time.monotonic()
             try:
                 response = await self.client.get(f"{proxy.url}/doc/read", headers=headers)
             except httpx.HTTPError as exc:
@@ -704,7 +723,10 @@ class Agent:
                 await asyncio.sleep(self.rng.uniform(0.1, 0.5))
                 continue
             if response.status_code == 200 and "etag" in response.headers:
-                return int(response.json()["rev"]), response.headers["etag"]
+                rev = int(response.json()["rev"])
+                cache = response.headers.get("cache-status", "")
+                self.history.reads.append(Read(self.ns, doc, rev, sent, cache))
+                return rev, response.headers["etag"]
             await asyncio.sleep(self.rng.uniform(0.1, 0.5))
         return None
 
@@ -836,6 +858,8 @@ class Report:
     violations: list[Violation]
     seconds: float
     nemesis_log: list[str]
+    reads: int = 0
+    cached_reads: int = 0
 
     def lines(self) -> list[str]:
         s = self.shape
@@ -848,6 +872,7 @@ class Report:
             f"transport errors: {_counts(self.errors)})",
             f"faults {sum(self.faults.values())}: {_counts(self.faults)}",
             f"keys {self.keys}, executions at the tool {self.executions}",
+            f"document reads {self.reads} ({self.cached_reads} from the cache)",
             f"violations {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
             f"took {self.seconds:.0f} s",
@@ -937,6 +962,8 @@ def run(shape: Shape, tmp: Path) -> Report:
         violations,
         time.monotonic() - started,
         nemesis.log,
+        len(history.reads),
+        sum(1 for r in history.reads if r.cache == "tool-proxy; hit"),
     )
 
 
@@ -951,6 +978,7 @@ def check(history: History, tool: Tool) -> list[Violation]:
     """Every invariant, read off the history and the tool's log."""
     violations = list(tool.violations)
     violations += at_most_once(tool)
+    violations += stale_reads(history)
     by_key: dict[tuple[str, str, str, str], list[Answer]] = defaultdict(list)
     for answer in history.answers:
         by_key[answer.ident].append(answer)
@@ -974,6 +1002,29 @@ def check(history: History, tool: Tool) -> list[Violation]:
             if a.phase == "stuck"
         ]
     return violations
+
+
+def stale_reads(history: History) -> list[Violation]:
+    """A read sent after its caller's write of the document was answered shows that
+    write's revision at least (the cache never serves what the write superseded)."""
+    written: dict[tuple[str, str], list[tuple[float, int]]] = defaultdict(list)
+    for answer in history.answers:
+        if answer.ident[1] != "doc" or not answer.known or answer.status != 200:
+            continue
+        doc = history.requests[answer.ident].headers["x-doc"]
+        written[(answer.ident[0], doc)].append((answer.got, int(json.loads(answer.body)["rev"])))
+    found = []
+    for read in history.reads:
+        before = [rev for got, rev in written[(read.ns, read.doc)] if got < read.sent]
+        if before and max(before) > read.rev:
+            found.append(
+                Violation(
+                    "stale-read",
+                    f"{read.ns or 'r'}/{read.doc} read at rev {read.rev} ({read.cache}) after "
+                    f"a write of rev {max(before)} was answered",
+                )
+            )
+    return found
 
 
 def at_most_once(tool: Tool) -> list[Violation]:

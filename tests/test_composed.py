@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.composed import Answer, History, Shape, Tool, check, run
+from tests.composed import Answer, History, Read, Request, Shape, Tool, check, run
 
 IDENT = ("", "ledger", "alice", "plan-1:1:" + "0" * 64)
 
@@ -76,6 +76,23 @@ def test_the_tool_log_shows_second_executions_stale_fences_and_lost_updates() ->
     assert [e["key"] for e in tool.executions][:2] == [key, key]
 
 
+def test_the_checker_sees_a_read_older_than_a_write_its_caller_had_the_answer_of() -> None:
+    doc = ("", "doc", "alice", "plan-1:2:" + "1" * 64)
+    wrote = answer(body={"exec": "r-1", "principal": "alice", "rev": 3}, at=1.0, ident=doc)
+    history = History(answers=[wrote])
+    history.requests[doc] = Request(
+        "", "doc", "alice", doc[3], "POST", "/doc/write", {"x-doc": "doc-0"}, b"{}"
+    )
+    history.reads = [
+        Read("", "doc-0", 2, 1.05, "tool-proxy; hit"),  # sent while the write ran: fine
+        Read("", "doc-0", 3, 2.0, "tool-proxy; hit"),
+        Read("sq", "doc-0", 0, 2.0, "tool-proxy; hit"),  # another store's document
+    ]
+    assert check(history, Tool(0, 0.0)) == []
+    history.reads.append(Read("", "doc-0", 2, 2.0, "tool-proxy; hit"))
+    assert [v.invariant for v in check(history, Tool(0, 0.0))] == ["stale-read"]
+
+
 @pytest.mark.timeout(400)
 def test_a_short_seed_keeps_every_invariant(tmp_path: Path) -> None:
     """Two replicas on Redis and one on SQLite, ten agents, 40 s of faults that stay
@@ -84,6 +101,7 @@ def test_a_short_seed_keeps_every_invariant(tmp_path: Path) -> None:
     report = run(Shape(seed=20, seconds=40.0, agents=10), tmp_path)
     lines = "\n".join(report.lines() + report.nemesis_log)
     assert report.executions > 50, lines
+    assert report.cached_reads > 0, lines  # the cache of a versioned resource is exercised
     assert {"kill", "stop", "redis-pause", "redis-stop", "tool-storm"} <= set(report.faults), lines
     assert not report.violations, lines
 
