@@ -2,9 +2,10 @@
 
 In the spirit of Jepsen: simulated agents (retrying, replanning, polling operations)
 call routes that combine idempotency, a lock with fencing tokens, limits, versioning, the
-response cache (on its own, and on a versioned resource) and async operations, through ``tool-proxy serve`` replicas on one real
-redis-server and one replica on SQLite, while a nemesis kills (SIGKILL, then restarts),
-freezes (SIGSTOP/SIGCONT) replicas, pauses Redis (``CLIENT PAUSE`` or SIGSTOP) and the
+response cache (on its own, and on a versioned resource) and async operations, through
+``tool-proxy serve`` replicas on one real redis-server and one replica on SQLite, while
+a nemesis kills (SIGKILL, then restarts), freezes (SIGSTOP/SIGCONT) replicas, pauses
+Redis (``CLIENT PAUSE`` or SIGSTOP) and the
 tool stalls, resets connections or answers 429/503. Every answer a caller got is kept
 (the history), and the tool keeps its own log of every execution (key, principal,
 fencing token, version written). Once the faults stop and every lease had time to
@@ -681,7 +682,7 @@ class Agent:
         return self.system.tokens[self.principal]
 
     async def run(self, until: float) -> None:
-        kinds = ["ledger", "doc"] + ([] if self.ns else ["lookup", "jobs"])
+        kinds = ["ledger", "doc", "peek"] + ([] if self.ns else ["lookup", "jobs"])
         while self.step < self.shape.max_steps and time.monotonic() < until:
             self.step += 1
             await getattr(self, self.rng.choice(kinds))()
@@ -710,6 +711,10 @@ class Agent:
         body = {"based_on": rev, "note": f"{self.name}:{self.step}"}
         request = self.request("doc", "/doc/write", body, **{"x-doc": doc, "if-match": etag})
         await send(request, self, "run")
+
+    async def peek(self) -> None:
+        """Read a document without writing it (mostly a cache hit, unless written since)."""
+        await self.read(f"doc-{self.rng.randrange(DOCS)}")
 
     async def read(self, doc: str) -> tuple[int, str] | None:
         for _ in range(self.shape.max_attempts):
@@ -860,6 +865,7 @@ class Report:
     nemesis_log: list[str]
     reads: int = 0
     cached_reads: int = 0
+    read_statuses: Counter[str] = field(default_factory=Counter)
 
     def lines(self) -> list[str]:
         s = self.shape
@@ -872,7 +878,8 @@ class Report:
             f"transport errors: {_counts(self.errors)})",
             f"faults {sum(self.faults.values())}: {_counts(self.faults)}",
             f"keys {self.keys}, executions at the tool {self.executions}",
-            f"document reads {self.reads} ({self.cached_reads} from the cache)",
+            f"document reads {self.reads} ({self.cached_reads} from the cache; "
+            f"{_counts(self.read_statuses)})",
             f"violations {len(self.violations)}",
             *(f"  {v}" for v in self.violations[:50]),
             f"took {self.seconds:.0f} s",
@@ -964,6 +971,7 @@ def run(shape: Shape, tmp: Path) -> Report:
         nemesis.log,
         len(history.reads),
         sum(1 for r in history.reads if r.cache == "tool-proxy; hit"),
+        Counter(r.cache.removeprefix("tool-proxy; ") for r in history.reads),
     )
 
 

@@ -31,7 +31,7 @@ from proxy.config import parse_config
 from proxy.errors import ConfigError
 from tests.conftest import STORES, ProxyFactory, each_store_url
 from tests.mcp_servers import McpTool, session
-from tests.servers import ThreadServer
+from tests.servers import ThreadServer, wait_for
 from tests.test_mcp import account, text
 
 store_url = pytest.fixture(params=STORES)(each_store_url)
@@ -359,3 +359,17 @@ def test_a_write_tool_invalidates_the_cached_results_of_read_only_tools_on_its_r
     assert mcp_tool.executions[f"balance:{who}"] == 2  # one fill before the write, one after
     assert mcp_tool.executions[f"balance:{other}"] == 1
     assert mcp_tool.executions[who] == 1
+
+
+def test_a_long_call_invalidates_when_its_worker_sends_it(
+    make_proxy: ProxyFactory, accounts: Accounts, store_url: str
+) -> None:
+    proxy = make_proxy(*routes(accounts.url, **{"async": {"mode": "always"}}), store=store_url).url
+    assert balance(read(proxy)) == 0
+    accepted = charge(proxy, idempotency_key="long-1")
+    assert accepted.status_code == 202, accepted.text
+    status = proxy + accepted.headers["location"]
+    wait_for(lambda: httpx.get(status, timeout=10).status_code == 303, what="the job's end")
+    after = read(proxy)
+    assert after.headers["cache-status"] == "tool-proxy; fwd=stale; stored"
+    assert balance(after) == -5 and accounts.writes["A"] == 1
