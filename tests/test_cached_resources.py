@@ -193,6 +193,7 @@ def test_a_resource_is_named_once_and_its_problems_name_their_field() -> None:
 # -- a write invalidates ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("store_url", [*STORES, "redis-cluster"], indirect=True)
 def test_a_write_through_the_other_replica_supersedes_the_cached_read(
     replicas: list[str], accounts: Accounts
 ) -> None:
