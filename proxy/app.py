@@ -53,7 +53,7 @@ from proxy.errors import (
 from proxy.fence import Fence
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.hosts import Listener
-from proxy.idempotency import Guard, Outcome
+from proxy.idempotency import Guard, Lease, Outcome
 from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
@@ -394,19 +394,25 @@ class Proxy:
                 if answer is not None:
                     trace.outcome = Outcome.ACCEPTED
                     return answer
-        fence = None if guard is None or op is None else Fence()
-        send, context = self._forward(request, route, body, principal, identity, fence)
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
+            send, context = self._forward(request, route, body, principal, identity, None)
             response = await self.relay(request, await send())
-        else:
-            assert fence is not None
-            trace.key = op.label
-            lookup = None if route.reconcile is None else self.lookup(request, route, identity)
-            response, trace.outcome = await guard.run(op, send, fence, lookup)
-            if context is not None and context.cached and trace.outcome is Outcome.EXECUTED:
-                trace.outcome = Outcome.CACHED
-        return response if context is None else Chain.decorate(context, response)
+            return response if context is None else Chain.decorate(context, response)
+        trace.key = op.label
+        lookup = None if route.reconcile is None else self.lookup(request, route, identity)
+        claimed = await guard.claim(op, lookup)
+        if not isinstance(claimed, Lease):  # a replay: no send, so no policy, was built
+            trace.outcome = Outcome.REPLAYED
+            return claimed
+        fence = Fence()  # built and executed at once: nothing in between can be cancelled
+        send, context = self._forward(request, route, body, principal, identity, fence)
+        response, trace.outcome = await guard.execute(claimed, send, fence)
+        if context is None:
+            return response
+        if context.cached and trace.outcome is Outcome.EXECUTED:
+            trace.outcome = Outcome.CACHED
+        return Chain.decorate(context, response)
 
     def _forward(
         self,

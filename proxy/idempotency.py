@@ -372,6 +372,15 @@ class Guard:
         """Execute once, replay, or refuse as a conflict. ``forward`` checks ``fence``
         right before it sends (``fence.py``); ``lookup`` sends the route's reconcile
         look-up (with the caller's credentials), when it has one."""
+        claimed = await self.claim(op, lookup)
+        if isinstance(claimed, Lease):
+            return await self.execute(claimed, forward, fence)
+        return claimed, Outcome.REPLAYED
+
+    async def claim(self, op: Operation, lookup: Lookup | None = None) -> Lease | Response:
+        """Claim ``op``'s key: its lease, to ``execute`` the call under right away (the
+        app builds its send only then: a replay needs none); or the replay of the
+        outcome recorded; or refuse as a conflict (409 once conflict_wait is over)."""
         owner = OWNERS.new()
         policy = self.policy
         loop = asyncio.get_running_loop()
@@ -398,20 +407,15 @@ class Guard:
                     continue  # the tool says it did not run: claim it and execute
                 stored = settled.stored or stored
             if stored.ref is None:  # the body is at hand (no object store round trip)
-                return reply(stored, replayed=True), Outcome.REPLAYED
-            return await self.replayer.response(op.label, stored), Outcome.REPLAYED
+                return reply(stored, replayed=True)
+            return await self.replayer.response(op.label, stored)
         if claim.previous is not None:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
         lease = self._leases.hold(op, owner, started)
         lease.lookup = lookup
-        fence.arm(lease)
-        self.tasks.enter()
-        try:
-            return await self._execute(lease, forward)
-        finally:
-            self.tasks.leave()
+        return lease
 
     # -- jobs (``jobs.py``): the same record, claimed at submission, concluded by a worker
 
@@ -443,8 +447,8 @@ class Guard:
     async def execute(
         self, lease: Lease, forward: Forward, fence: Fence
     ) -> tuple[Response, Outcome]:
-        """Forward a job's call under ``lease`` (``forward`` checks ``fence`` right before
-        it sends) and conclude its record."""
+        """Forward a call under ``lease`` (a claim's, or a job's attempt's; ``forward``
+        checks ``fence`` right before it sends) and conclude its record."""
         fence.arm(lease)
         self.tasks.enter()
         try:
