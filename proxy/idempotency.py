@@ -32,9 +32,8 @@ import math
 import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.responses import Response, StreamingResponse
 
@@ -61,7 +60,7 @@ from proxy.offload import STREAM_CHUNK_BYTES, Offload, Spool
 from proxy.operation import Operation
 from proxy.outcome import StoredResponse
 from proxy.reconcile import Finding, Lookup, Reconciler
-from proxy.replay import Replayer, reply
+from proxy.replay import Replayer, answer, reply
 from proxy.store import Record, State, Store
 from proxy.tracing import note
 
@@ -117,9 +116,9 @@ class _Owners:
 OWNERS = _Owners()
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """How a call's record ends: released (``stored`` is None), or recorded as ``state``."""
+class Verdict(NamedTuple):
+    """How a call's record ends: released (``stored`` is None), or recorded as ``state``
+    (a tuple: built once per call, at half the cost of a frozen dataclass)."""
 
     stored: StoredResponse | None
     state: State = State.COMPLETED
@@ -538,8 +537,7 @@ class Guard:
             self.tasks.spawn(self._verdict_and_conclude(lease, upstream, body))
             raise
         await self._conclude(lease, verdict)
-        answer = StoredResponse(upstream.status, upstream.headers, body)
-        return reply(answer, replayed=False), verdict.outcome
+        return answer(upstream.status, upstream.headers, body), verdict.outcome
 
     async def _verdict_and_conclude(
         self, lease: Lease, upstream: UpstreamResponse, body: bytes | Spool
