@@ -50,7 +50,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamUnreachable,
 )
-from proxy.fence import Fence
+from proxy.fence import Fence, Leased
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.hosts import Listener
 from proxy.idempotency import Guard, Lease, Outcome
@@ -405,9 +405,9 @@ class Proxy:
         if not isinstance(claimed, Lease):  # a replay: no send, so no policy, was built
             trace.outcome = Outcome.REPLAYED
             return claimed
-        fence = Fence()  # built and executed at once: nothing in between can be cancelled
-        send, context = self._forward(request, route, body, principal, identity, fence)
-        response, trace.outcome = await guard.execute(claimed, send, fence)
+        # the send, built now that the key is claimed, checks the lease itself (its fence)
+        send, context = self._forward(request, route, body, principal, identity, claimed)
+        response, trace.outcome = await guard.execute(claimed, send)
         if context is None:
             return response
         if context.cached and trace.outcome is Outcome.EXECUTED:
@@ -421,7 +421,7 @@ class Proxy:
         body: bytes,
         principal: str,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> tuple[Forward, Context | None]:
         """The send of a request whose body is read, inside the route's policies (the
         context they share)."""
@@ -455,11 +455,12 @@ class Proxy:
         route: RouteConfig,
         body: bytes,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> Forward:
         """The innermost send, which every policy wraps: with the route's downstream
-        token, and, for a guarded call (``fence``), checked by its fence right before each
-        request is written (``fence.py``), never sent twice by the client."""
+        token, and, for a guarded call (``fence``: its lease, or a ``Fence`` armed with it),
+        checked by its fence right before each request is written (``fence.py``), never
+        sent twice by the client."""
         if self.tokens is not None and self.tokens.applies(route.name):
             return lambda: self._send_with_token(request, route, body, identity, fence)
         return lambda: self.send(request, route, body, fence=fence)
@@ -488,7 +489,7 @@ class Proxy:
         route: RouteConfig,
         body: bytes,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> UpstreamResponse:
         """Send with the route's downstream token. On a 401 the token is dropped (the next
         call gets a new one); with ``token.retry_on_401`` this call is sent once more with
@@ -545,7 +546,7 @@ class Proxy:
         length: int | None = None,
         authorization: str | None = None,
         *,
-        fence: Fence | None = None,
+        fence: Leased | None = None,
     ) -> Awaitable[UpstreamResponse]:
         """The upstream exchange (not a coroutine itself: one frame less per await); a
         guarded call's only if its ``fence`` lets it, and never sent twice by the client."""

@@ -444,11 +444,13 @@ class Guard:
         return lease
 
     async def execute(
-        self, lease: Lease, forward: Forward, fence: Fence
+        self, lease: Lease, forward: Forward, fence: Fence | None = None
     ) -> tuple[Response, Outcome]:
-        """Forward a call under ``lease`` (a claim's, or a job's attempt's; ``forward``
-        checks ``fence`` right before it sends) and conclude its record."""
-        fence.arm(lease)
+        """Forward a call under ``lease`` (a claim's, or a job's attempt's) and conclude
+        its record. ``forward`` checks the lease right before it sends: itself (a send
+        built after the claim), or through ``fence``, armed with it now."""
+        if fence is not None:
+            fence.arm(lease)
         self.tasks.enter()
         try:
             return await self._execute(lease, forward)
