@@ -7,7 +7,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +57,6 @@ from proxy.idempotency import Guard, Lease, Outcome
 from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
-from proxy.mcp import McpView
-from proxy.mcp_tasks import Followers, McpTasks
-from proxy.mcp_tools import SharedTools
 from proxy.metrics import Metrics
 from proxy.numbers import MAX_DIGITS, digits, whole
 from proxy.offload import Offload
@@ -78,6 +75,8 @@ from proxy.store import Queue, Store, make_queue, make_store
 from proxy.tracing import from_env as tracing_from_env
 
 if TYPE_CHECKING:
+    from proxy.mcp import McpView
+    from proxy.mcp_tasks import McpTasks
     from proxy.otel import Tracing
 
 # The proxy's own endpoints live under this path; nothing under it is forwarded.
@@ -233,11 +232,7 @@ class Proxy:
             for r in config.routes
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
-        self.mcp = {
-            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
-            for r in config.routes
-            if r.protocol is RouteProtocol.MCP
-        }
+        self.mcp = self._mcp_views(config.routes, store)
         self.jobs: dict[str, RouteJobs] = {}
         self.hub: Hub | None = None
         self.queue: Queue | None = None
@@ -264,8 +259,27 @@ class Proxy:
             }
         self.mcp_tasks = self._mcp_tasks()
 
+    def _mcp_views(self, routes: Iterable[RouteConfig], store: Store) -> dict[str, McpView]:
+        """The JSON-RPC view of each ``protocol: mcp`` route. The MCP modules are imported
+        only if a route speaks MCP: the SDK's types are most of the objects a proxy holds
+        otherwise (start-up memory, and more for the collector to go through)."""
+        mcp = [r for r in routes if r.protocol is RouteProtocol.MCP]
+        if not mcp:
+            return {}
+        from proxy.mcp import McpView
+        from proxy.mcp_tools import SharedTools
+
+        return {
+            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
+            for r in mcp
+        }
+
     def _mcp_tasks(self) -> dict[str, McpTasks]:
         """The proxy's own MCP tasks, on each ``protocol: mcp`` route with jobs."""
+        if not any(name in self.jobs for name in self.mcp):
+            return {}
+        from proxy.mcp_tasks import Followers, McpTasks
+
         followers = Followers(self.store, self.log)
         tasks = {
             name: McpTasks(view, self.jobs[name], followers)
