@@ -743,6 +743,28 @@ says where: some 50 more Python calls per first execution than there (about 286 
 recorded outcome's verdict, duplicate-member checks of JSON bodies, the job and task
 seams), no single one above a few per cent.
 
+After the hot-path work on branch `hotpath` (a replay builds no send, fence or policy
+context; an HTTP route's send checks its lease itself; records, claims, operations and
+verdicts are named tuples, not frozen dataclasses; the memory store keeps one object per
+record; the MCP modules are imported only for a route that speaks MCP), 2026-12-02:
+`bench/hot_path.py` as it is (20,000 requests, 3 rounds a run), `c48c92c`, main
+(`1fb0541`) and `hotpath` run in turn, 10 runs each, the best run of each, ratios to
+`c48c92c`:
+
+| commit / `c48c92c` | runs | pass-through | first execution | replay |
+|---|---|---|---|---|
+| main `1fb0541` | 10 | 0.99 | 1.12 | 1.10 |
+| `hotpath` | 10 | 1.00 | 1.14 | 1.00 |
+
+Replays are back at `c48c92c`'s cost; first executions are not: in these runs no better
+than main's, within this machine's noise (a run's first executions spread over 20 µs, a
+third of their cost). Shorter rounds, steadier here, do see them gain: main and
+`hotpath` alternately, 4 runs each of 5,000 requests and 8 rounds, `hotpath` / main:
+pass-through 1.00, first execution 0.90, replay 0.94. Part of the gain is the
+collector's: in-process, without the server's `gc.freeze()` at start-up,
+every full collection goes through the objects the proxy holds (the MCP SDK's types were
+a third of them) and those the memory store keeps per record (two now, four before).
+
 ## Measurements behind design choices
 
 Measured once on the 2-core development machine and not rerun by this script; the code's

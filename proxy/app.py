@@ -7,7 +7,7 @@ import contextlib
 import gc
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,16 +50,13 @@ from proxy.errors import (
     Unauthorized,
     UpstreamUnreachable,
 )
-from proxy.fence import Fence
+from proxy.fence import Fence, Leased
 from proxy.forwarding import Upstream, UpstreamResponse, request_headers
 from proxy.hosts import Listener
-from proxy.idempotency import Guard, Outcome
+from proxy.idempotency import Guard, Lease, Outcome
 from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, asked, prefer
 from proxy.journal import Journal
-from proxy.mcp import McpView
-from proxy.mcp_tasks import Followers, McpTasks
-from proxy.mcp_tools import SharedTools
 from proxy.metrics import Metrics
 from proxy.numbers import MAX_DIGITS, digits, whole
 from proxy.offload import Offload
@@ -78,6 +75,8 @@ from proxy.store import Queue, Store, make_queue, make_store
 from proxy.tracing import from_env as tracing_from_env
 
 if TYPE_CHECKING:
+    from proxy.mcp import McpView
+    from proxy.mcp_tasks import McpTasks
     from proxy.otel import Tracing
 
 # The proxy's own endpoints live under this path; nothing under it is forwarded.
@@ -236,11 +235,7 @@ class Proxy:
             for r in config.routes
         }
         self.chains = {name: chain for name, chain in chains.items() if chain is not None}
-        self.mcp = {
-            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
-            for r in config.routes
-            if r.protocol is RouteProtocol.MCP
-        }
+        self.mcp = self._mcp_views(config.routes, store)
         self.jobs: dict[str, RouteJobs] = {}
         self.hub: Hub | None = None
         self.queue: Queue | None = None
@@ -267,8 +262,27 @@ class Proxy:
             }
         self.mcp_tasks = self._mcp_tasks()
 
+    def _mcp_views(self, routes: Iterable[RouteConfig], store: Store) -> dict[str, McpView]:
+        """The JSON-RPC view of each ``protocol: mcp`` route. The MCP modules are imported
+        only if a route speaks MCP: the SDK's types are most of the objects a proxy holds
+        otherwise (start-up memory, and more for the collector to go through)."""
+        mcp = [r for r in routes if r.protocol is RouteProtocol.MCP]
+        if not mcp:
+            return {}
+        from proxy.mcp import McpView
+        from proxy.mcp_tools import SharedTools
+
+        return {
+            r.name: McpView(r, self.guards.get(r.name), SharedTools(store, r.name, self.log))
+            for r in mcp
+        }
+
     def _mcp_tasks(self) -> dict[str, McpTasks]:
         """The proxy's own MCP tasks, on each ``protocol: mcp`` route with jobs."""
+        if not any(name in self.jobs for name in self.mcp):
+            return {}
+        from proxy.mcp_tasks import Followers, McpTasks
+
         followers = Followers(self.store, self.log)
         tasks = {
             name: McpTasks(view, self.jobs[name], followers)
@@ -397,19 +411,25 @@ class Proxy:
                 if answer is not None:
                     trace.outcome = Outcome.ACCEPTED
                     return answer
-        fence = None if guard is None or op is None else Fence()
-        send, context = self._forward(request, route, body, principal, identity, fence)
         if guard is None or op is None:
             trace.outcome = Outcome.PASSED
+            send, context = self._forward(request, route, body, principal, identity, None)
             response = await self.relay(request, await send())
-        else:
-            assert fence is not None
-            trace.key = op.label
-            lookup = None if route.reconcile is None else self.lookup(request, route, identity)
-            response, trace.outcome = await guard.run(op, send, fence, lookup)
-            if context is not None and context.cached and trace.outcome is Outcome.EXECUTED:
-                trace.outcome = Outcome.CACHED
-        return response if context is None else Chain.decorate(context, response)
+            return response if context is None else Chain.decorate(context, response)
+        trace.key = op.label
+        lookup = None if route.reconcile is None else self.lookup(request, route, identity)
+        claimed = await guard.claim(op, lookup)
+        if not isinstance(claimed, Lease):  # a replay: no send, so no policy, was built
+            trace.outcome = Outcome.REPLAYED
+            return claimed
+        # the send, built now that the key is claimed, checks the lease itself (its fence)
+        send, context = self._forward(request, route, body, principal, identity, claimed)
+        response, trace.outcome = await guard.execute(claimed, send)
+        if context is None:
+            return response
+        if context.cached and trace.outcome is Outcome.EXECUTED:
+            trace.outcome = Outcome.CACHED
+        return Chain.decorate(context, response)
 
     def _forward(
         self,
@@ -418,7 +438,7 @@ class Proxy:
         body: bytes,
         principal: str,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> tuple[Forward, Context | None]:
         """The send of a request whose body is read, inside the route's policies (the
         context they share)."""
@@ -452,11 +472,12 @@ class Proxy:
         route: RouteConfig,
         body: bytes,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> Forward:
         """The innermost send, which every policy wraps: with the route's downstream
-        token, and, for a guarded call (``fence``), checked by its fence right before each
-        request is written (``fence.py``), never sent twice by the client."""
+        token, and, for a guarded call (``fence``: its lease, or a ``Fence`` armed with it),
+        checked by its fence right before each request is written (``fence.py``), never
+        sent twice by the client."""
         if self.tokens is not None and self.tokens.applies(route.name):
             return lambda: self._send_with_token(request, route, body, identity, fence)
         return lambda: self.send(request, route, body, fence=fence)
@@ -485,7 +506,7 @@ class Proxy:
         route: RouteConfig,
         body: bytes,
         identity: str,
-        fence: Fence | None,
+        fence: Leased | None,
     ) -> UpstreamResponse:
         """Send with the route's downstream token. On a 401 the token is dropped (the next
         call gets a new one); with ``token.retry_on_401`` this call is sent once more with
@@ -542,7 +563,7 @@ class Proxy:
         length: int | None = None,
         authorization: str | None = None,
         *,
-        fence: Fence | None = None,
+        fence: Leased | None = None,
     ) -> Awaitable[UpstreamResponse]:
         """The upstream exchange (not a coroutine itself: one frame less per await); a
         guarded call's only if its ``fence`` lets it, and never sent twice by the client."""

@@ -11,6 +11,11 @@ one of the "nothing sent" errors: the key is released by its owner only, so noth
 recorded or released over another attempt's record).
 
     claim ──▶ Fence.arm(lease) ──▶ cache ▶ lock ▶ versioning ▶ limits ▶ token ──▶ check ──▶ send
+
+An HTTP route's send is built once its key is claimed (a replay needs none), so it
+checks the lease itself (``Leased``); a ``Fence`` stands in for the lease where the send
+is built before the claim (an MCP ``tools/call``, a job's attempt), and refuses to send
+until it is armed.
 """
 
 from __future__ import annotations

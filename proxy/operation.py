@@ -14,7 +14,7 @@ from the route's policy, the ``Idempotency-Key`` header, the body and the target
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.config import IdempotencyConfig
 from proxy.errors import ArgsHashMismatch, MissingIdempotencyKey
@@ -22,9 +22,9 @@ from proxy.keys import KeyKind, fingerprint, parse_composite, parse_opaque
 from proxy.store import RecordKey
 
 
-@dataclass(frozen=True, slots=True)
-class Operation:
-    """A guarded request: where its record lives and what it asks for."""
+class Operation(NamedTuple):
+    """A guarded request: where its record lives and what it asks for (a tuple: built
+    once per guarded request, at half the cost of a frozen dataclass)."""
 
     key: RecordKey
     label: str

@@ -29,8 +29,12 @@ def reply(stored: StoredResponse, *, replayed: bool) -> Response:
     """The whole response of an outcome whose body is at hand; framing is recomputed."""
     if replayed:
         return Reply(stored.status, replay_headers(stored, len(stored.body)), stored.body)
-    length = (b"content-length", str(len(stored.body)).encode())
-    return Reply(stored.status, [*stored.headers, length], stored.body)
+    return answer(stored.status, stored.headers, stored.body)
+
+
+def answer(status: int, headers: RawHeaders, body: bytes) -> Response:
+    """The first caller's whole answer: the tool's, with framing for ``body``."""
+    return Reply(status, [*headers, (b"content-length", str(len(body)).encode())], body)
 
 
 class Replayer:

@@ -28,7 +28,7 @@ from starlette.responses import Response
 from proxy.asgi import Incoming, RawHeaders
 from proxy.background import TaskSet
 from proxy.config import RouteConfig
-from proxy.fence import Fence
+from proxy.fence import Leased
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.offload import Offload
@@ -57,7 +57,7 @@ class Context:
     call: Call | None = None
     """On an MCP route, a ``tools/call`` the route caches, as the cache sees it
     (``mcp.CachedCall``); None otherwise (on HTTP routes the cache sees the request)."""
-    fence: Fence | None = None
+    fence: Leased | None = None
     """A guarded call's fence (``fence.py``): the send checks it; so does the cache before
     it answers a call from the store (a lease lost while the call waited: not answered)."""
     version: Version | None = None

@@ -31,10 +31,23 @@ MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 
 @dataclass(slots=True)
 class _Entry:
-    record: Record
+    """One record, its fields kept in place (``_view`` makes the ``Record`` a caller
+    reads): one object per record, changed by assignment."""
+
+    state: State
+    fingerprint: str
+    owner: str
     expires_at: float
     lease_until: float = 0.0
+    payload: bytes = b""
+    created_at: float = 0.0
+    updated_at: float = 0.0
     replays: int = 0
+
+    @property
+    def releasable(self) -> bool:
+        """IN_PROGRESS, or its lease lapsed (FAILED with no payload): nothing recorded yet."""
+        return self.state is State.IN_PROGRESS or (self.state is State.FAILED and not self.payload)
 
 
 class MemoryStore:
@@ -48,7 +61,9 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._records: dict[RecordKey, _Entry] = {}
-        self._scopes: dict[str, set[RecordKey]] = {}
+        self._scopes: dict[str, RecordKey | set[RecordKey]] = {}
+        """Each scope's records: the key of its only one, or the set of them (most scopes
+        hold one record: no set for them)."""
         self._last_in_slot: dict[str, tuple[str, float]] = {}
         self._values: dict[str, tuple[bytes, float]] = {}
         self._queue: MemoryQueue | None = None
@@ -64,31 +79,39 @@ class MemoryStore:
 
     def _forget(self, key: RecordKey) -> None:
         del self._records[key]
-        scope = self._scopes.get(key.scope)
-        if scope is not None:
-            scope.discard(key)
-            if not scope:
-                del self._scopes[key.scope]
+        scope = key.scope
+        held = self._scopes.get(scope)
+        if isinstance(held, set):
+            held.discard(key)
+            if not held:
+                del self._scopes[scope]
+        elif held == key:
+            del self._scopes[scope]
 
     def _put(self, key: RecordKey, entry: _Entry) -> None:
         self._records[key] = entry
-        self._scopes.setdefault(key.scope, set()).add(key)
+        scope = key.scope
+        held = self._scopes.get(scope)
+        if held is None:
+            self._scopes[scope] = key
+        elif isinstance(held, set):
+            held.add(key)
+        elif held != key:
+            self._scopes[scope] = {held, key}
 
     def _view(self, key: RecordKey, entry: _Entry) -> Record:
-        r = entry.record  # built field by field: dataclasses.replace costs twice as much
-        left = (entry.lease_until if r.state is State.IN_PROGRESS else entry.expires_at) - (
+        left = (entry.lease_until if entry.state is State.IN_PROGRESS else entry.expires_at) - (
             self._clock()
         )
-        ttl = left if left > 0 else 0.0
         return Record(
-            r.state,
-            r.fingerprint,
-            r.owner,
-            ttl,
-            r.payload,
+            entry.state,
+            entry.fingerprint,
+            entry.owner,
+            left if left > 0 else 0.0,
+            entry.payload,
             key,
-            r.created_at,
-            r.updated_at,
+            entry.created_at,
+            entry.updated_at,
             entry.replays,
         )
 
@@ -106,22 +129,23 @@ class MemoryStore:
         entry = self._live(key)
         now = self._clock()
         if entry is not None:
-            r = entry.record
-            if r.state is not State.IN_PROGRESS:  # an outcome: never claimed over
-                if replay and r.fingerprint == fingerprint:
+            if entry.state is not State.IN_PROGRESS:  # an outcome: never claimed over
+                if replay and entry.fingerprint == fingerprint:
                     entry.replays += 1
                 return Claim(self._view(key, entry))
-            if r.owner != owner:
+            if entry.owner != owner:
                 if entry.lease_until > now:
                     return Claim(self._view(key, entry))
                 if not reexecute_lapsed:
-                    entry.record = replace(r, state=State.FAILED, updated_at=time.time())
-                    if replay and r.fingerprint == fingerprint:
+                    entry.state, entry.updated_at = State.FAILED, time.time()
+                    if replay and entry.fingerprint == fingerprint:
                         entry.replays += 1
                     return Claim(self._view(key, entry))
         wall = time.time()
-        record = Record(State.IN_PROGRESS, fingerprint, owner, lock_ttl, b"", None, wall, wall)
-        self._put(key, _Entry(record, now + result_ttl, now + lock_ttl))
+        claimed = _Entry(
+            State.IN_PROGRESS, fingerprint, owner, now + result_ttl, now + lock_ttl, b"", wall, wall
+        )
+        self._put(key, claimed)
         last = self._last_in_slot.get(key.slot)
         self._last_in_slot[key.slot] = (key.name, now + result_ttl)
         previous = last[0] if last and last[1] > now and last[0] != key.name else None
@@ -129,18 +153,18 @@ class MemoryStore:
 
     def _held(self, key: RecordKey, owner: str) -> _Entry | None:
         entry = self._live(key)
-        if entry is None or entry.record.owner != owner:
+        if entry is None or entry.owner != owner:
             return None
         return entry
 
     async def renew(self, key: RecordKey, owner: str, lock_ttl: float, result_ttl: float) -> bool:
         entry = self._held(key, owner)
-        if entry is None or entry.record.state is not State.IN_PROGRESS:
+        if entry is None or entry.state is not State.IN_PROGRESS:
             return False
         now = self._clock()
         entry.lease_until = now + lock_ttl
         entry.expires_at = max(entry.expires_at, now + result_ttl)
-        entry.record = replace(entry.record, updated_at=time.time())
+        entry.updated_at = time.time()
         return True
 
     async def complete(
@@ -156,24 +180,24 @@ class MemoryStore:
         successor: str | None = None,
     ) -> bool:
         entry = self._live(key)
-        if entry is not None and entry.record.owner != owner:
+        if entry is not None and entry.owner != owner:
             return False
-        if not replace_outcome and entry is not None and not _releasable(entry.record):
+        if not replace_outcome and entry is not None and not entry.releasable:
             return False
         wall = time.time()
-        created = entry.record.created_at if entry is not None else wall
-        ow = successor or owner
-        record = Record(state, fingerprint, ow, result_ttl, payload, None, created, wall)
         expires = self._clock() + result_ttl
-        if entry is None:
-            self._put(key, _Entry(record, expires))
-        else:  # already in its scope's index; its replays counted on
-            self._records[key] = _Entry(record, expires, replays=entry.replays)
+        if entry is None:  # a late outcome whose record vanished is still recorded
+            entry = _Entry(state, fingerprint, owner, expires, created_at=wall)
+            self._put(key, entry)
+        # in place: in its scope's index already, its creation time and replays kept
+        entry.state, entry.fingerprint, entry.owner = state, fingerprint, successor or owner
+        entry.expires_at, entry.lease_until, entry.payload = expires, 0.0, payload
+        entry.updated_at = wall
         return True
 
     async def release(self, key: RecordKey, owner: str) -> bool:
         entry = self._held(key, owner)
-        if entry is None or not _releasable(entry.record):
+        if entry is None or not entry.releasable:
             return False
         self._forget(key)
         return True
@@ -183,7 +207,8 @@ class MemoryStore:
         return None if entry is None else self._view(key, entry)
 
     async def records(self, scope: str) -> list[Record]:
-        keys = list(self._scopes.get(scope, ()))
+        held = self._scopes.get(scope)
+        keys = [] if held is None else list(held) if isinstance(held, set) else [held]
         found = [self._view(k, e) for k in keys if (e := self._live(k)) is not None]
         return sorted(found, key=lambda r: (r.created_at, r.key or ("", "")))
 
@@ -203,15 +228,15 @@ class MemoryStore:
         owner: str | None = None,
     ) -> bool:
         entry = self._live(key)
-        if entry is None or entry.record.state is not State.FAILED:
+        if entry is None or entry.state is not State.FAILED:
             return False
-        if owner is not None and entry.record.owner != owner:
+        if owner is not None and entry.owner != owner:
             return False
         if state is None:
             self._forget(key)
             return True
-        record = replace(entry.record, state=state, payload=payload, updated_at=time.time())
-        self._put(key, _Entry(record, self._clock() + result_ttl, replays=entry.replays))
+        entry.state, entry.payload, entry.updated_at = state, payload, time.time()
+        entry.expires_at, entry.lease_until = self._clock() + result_ttl, 0.0
         return True
 
     async def delete(self, key: RecordKey) -> bool:
@@ -288,11 +313,6 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
-
-
-def _releasable(record: Record) -> bool:
-    """IN_PROGRESS, or its lease lapsed (FAILED with no payload): nothing recorded yet."""
-    return record.state is State.IN_PROGRESS or record.lapsed
 
 
 class MemoryBuckets:

@@ -336,7 +336,7 @@ def _claim(
             return Claim(existing), None  # an outcome: never claimed over
         if inline:  # a replay served: counted
             _count_replay(db, now, existing)
-        return Claim(replace(existing, replays=existing.replays + 1)), (
+        return Claim(existing._replace(replays=existing.replays + 1)), (
             None if inline else existing
         )
     if existing is not None and existing.owner != owner:
