@@ -23,8 +23,10 @@ import httpx
 
 from proxy import mcp, mcp_tasks
 from tests.conftest import SEALING_ENV, ProxyFactory, new_key
+from tests.idp import IdentityProvider
 from tests.servers import ROOT, ProxyProcess, RedisServer, wait_for
-from tests.test_mcp import mcp_route
+from tests.test_auth import auth_config
+from tests.test_mcp import bearer, mcp_route
 from tests.test_mcp_2026 import REVISION, Server2, account, sessions, text
 from tests.test_mcp_2026 import server2 as server2  # the fixture (the SDK 2.x server)
 
@@ -61,7 +63,13 @@ def slow(who: str, seconds: float, key: str, **extra: Any) -> dict[str, Any]:
     return {"tool": "slow", "arguments": arguments, "key": key, **extra}
 
 
-def raw(url: str, method: str, params: dict[str, Any], extension: bool = True) -> dict[str, Any]:
+def raw(
+    url: str,
+    method: str,
+    params: dict[str, Any],
+    extension: bool = True,
+    auth: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """One JSON-RPC request of revision 2026-07-28 (its ``_meta`` as the SDKs frame it),
     declaring the tasks extension or not; the JSON-RPC response."""
     declared: dict[str, Any] = {"extensions": {mcp_tasks.TASKS_EXTENSION: {}}}
@@ -78,6 +86,7 @@ def raw(url: str, method: str, params: dict[str, Any], extension: bool = True) -
         "mcp-protocol-version": REVISION,
         "mcp-method": method,
         "mcp-name": str(params.get("name") or params.get("taskId")),  # the routing header
+        **(auth or {}),
     }
     answer = httpx.post(url, json=body, headers=headers, timeout=30)
     if answer.headers["content-type"].startswith("text/event-stream"):
@@ -195,3 +204,67 @@ def test_a_slow_call_through_two_replicas_completes_once_for_every_client(
     assert text(first) == text(second) == text(waited["results"][0]) == f"slow {who} (#1)"
     assert server2.executions()[f"slow:{who}"] == 1
     assert server2.executions()[f"running:{who}"] == 1
+
+
+def test_a_queued_task_is_cancelled_and_a_sent_one_is_not(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """One worker, held by a first task (its call sent): a second task stays queued.
+    ``tasks/cancel`` of the queued one is acknowledged (``resultType: "complete"``) and
+    its ``tasks/get`` says ``cancelled``: its tool never runs; the sent one cannot be
+    cancelled (-32019), and completes."""
+    proxy = make_proxy({**tasks_route(server2.url), "workers": {"concurrency": 1}})
+    url = proxy.url + "/mcp"
+    who = account()
+    held = {"name": "hold", "arguments": {"account": who}}
+    queued = {"name": "charge", "arguments": {"account": who, "cents": 5}}
+
+    def task(call: dict[str, Any]) -> str:
+        keyed = {**call, "_meta": {"idempotencyKey": new_key(call["arguments"])}}
+        created: dict[str, Any] = raw(url, "tools/call", keyed)["result"]
+        assert created["resultType"] == "task"
+        return str(created["taskId"])
+
+    first = task(held)
+    wait_for(lambda: server2.executions().get(f"running:{who}") == 1, what="the call sent")
+    second = task(queued)
+
+    assert raw(url, "tasks/cancel", {"taskId": second}) == {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "result": {"resultType": "complete"},
+    }
+    cancelled = raw(url, "tasks/get", {"taskId": second})["result"]
+    assert cancelled["status"] == "cancelled"
+    assert "result" not in cancelled and "error" not in cancelled
+    assert raw(url, "tasks/cancel", {"taskId": first})["error"]["code"] == mcp.REFUSED
+    httpx.post(f"{server2.url}/open", params={"account": who})
+
+    def completed() -> bool:
+        return bool(raw(url, "tasks/get", {"taskId": first})["result"]["status"] == "completed")
+
+    wait_for(completed, what="the held task to complete")
+    assert server2.executions()[f"hold:{who}"] == 1
+    assert who not in server2.executions()  # the cancelled charge never ran
+
+
+def test_a_task_is_its_principals_own(
+    make_proxy: ProxyFactory, server2: Server2, idp: IdentityProvider
+) -> None:
+    """On a route with ``auth``: bob's ``tasks/get`` of alice's task is not the proxy's to
+    answer (it goes to the server, which has no such task); alice's is."""
+    spec = {**tasks_route(server2.url), "auth": {"required": True}}
+    proxy = make_proxy(spec, auth=auth_config(idp))
+    url = proxy.url + "/mcp"
+    alice, bob = bearer(idp.token("alice")), bearer(idp.token("bob"))
+    who = account()
+    call = {"name": "charge", "arguments": {"account": who, "cents": 3}}
+    keyed = {**call, "_meta": {"idempotencyKey": new_key(call["arguments"])}}
+
+    task_id = raw(url, "tools/call", keyed, auth=alice)["result"]["taskId"]
+    hidden = raw(url, "tasks/get", {"taskId": task_id}, auth=bob)
+    seen = raw(url, "tasks/get", {"taskId": task_id}, auth=alice)
+
+    assert "result" not in hidden  # the server's answer: not one of its tasks
+    assert hidden["error"]["code"] not in (mcp_tasks.MISSING_CAPABILITY, mcp.REFUSED)
+    assert seen["result"]["taskId"] == task_id
