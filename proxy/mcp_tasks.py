@@ -481,8 +481,8 @@ class McpTasks:
             return self._reply(message.id, result, accept, session)
         if message.method == "tasks/cancel":
             return await self._cancel(message.id, job, accept, session, extension=True)
-        # tasks/update: the proxy's tasks never wait for input (a call that needs it fails);
-        # responses to requests it did not make are ignored, as the extension lets it.
+        # tasks/update: the proxy's tasks are never input_required; responses to requests
+        # it did not make are ignored, as the extension lets a server do.
         return self._reply(message.id, {"resultType": "complete"}, accept, session)
 
     async def _cancel(
@@ -572,8 +572,11 @@ class McpTasks:
                 result.setdefault("resultType", "complete")
                 task.update(status="completed", result=result)
             else:
-                error = error if isinstance(error, dict) else {"code": -32603, "message": ""}
-                task.update(status="failed", error=error, statusMessage=error.get("message"))
+                if not isinstance(error, dict):  # not a JSON-RPC answer: an internal error
+                    error = {"code": types.INTERNAL_ERROR, "message": "no result was recorded"}
+                task.update(status="failed", error=error)
+                if isinstance(error.get("message"), str) and error["message"]:
+                    task["statusMessage"] = error["message"]
         return task
 
     async def _failed_result(self, job: Job) -> bool:

@@ -69,9 +69,11 @@ def raw(
     params: dict[str, Any],
     extension: bool = True,
     auth: dict[str, str] | None = None,
+    routed: bool = True,
 ) -> dict[str, Any]:
     """One JSON-RPC request of revision 2026-07-28 (its ``_meta`` as the SDKs frame it),
-    declaring the tasks extension or not; the JSON-RPC response."""
+    declaring the tasks extension or not, with the ``Mcp-Name`` header (``routed``) or not;
+    the JSON-RPC response."""
     declared: dict[str, Any] = {"extensions": {mcp_tasks.TASKS_EXTENSION: {}}}
     capabilities: dict[str, Any] = declared if extension else {}
     meta = {
@@ -85,9 +87,10 @@ def raw(
         "accept": "application/json, text/event-stream",
         "mcp-protocol-version": REVISION,
         "mcp-method": method,
-        "mcp-name": str(params.get("name") or params.get("taskId")),  # the routing header
         **(auth or {}),
     }
+    if routed:  # the routing header, which the SDK 2.x server requires of a tools/call
+        headers["mcp-name"] = str(params.get("name") or params.get("taskId"))
     answer = httpx.post(url, json=body, headers=headers, timeout=30)
     if answer.headers["content-type"].startswith("text/event-stream"):
         data = [line[5:].strip() for line in answer.text.splitlines() if line.startswith("data:")]
@@ -165,7 +168,39 @@ def test_the_extensions_wire_forms(make_proxy: ProxyFactory, server2: Server2) -
     assert raw(url, "tasks/cancel", {"taskId": task_id})["error"]["code"] == -32602
     again = raw(url, "tools/call", dict(keyed))["result"]
     assert again["taskId"] == task_id and again["status"] == "completed"
+    assert "result" not in again  # tasks/get has it
     assert server2.executions()[f"refund:{who}"] == 1
+
+
+def test_a_call_that_could_not_be_made_is_a_failed_task(
+    make_proxy: ProxyFactory, server2: Server2
+) -> None:
+    """The server refuses every attempt of the worker's call (HTTP 400: this call lacks
+    the ``Mcp-Name`` header it requires), so the job ends ``dead``: the task is ``failed``,
+    with the JSON-RPC error a retry of the call would get (its RFC 9457 document in
+    ``data``), and the tool never ran."""
+    proxy = make_proxy(tasks_route(server2.url, attempts=2))
+    url = proxy.url + "/mcp"
+    who = account()
+    arguments = {"account": who, "cents": 9}
+    keyed = {
+        "name": "charge",
+        "arguments": arguments,
+        "_meta": {"idempotencyKey": new_key(arguments)},
+    }
+    task_id = raw(url, "tools/call", keyed, routed=False)["result"]["taskId"]
+    seen: list[dict[str, Any]] = []
+
+    def ended() -> bool:
+        seen.append(raw(url, "tasks/get", {"taskId": task_id})["result"])
+        return bool(seen[-1]["status"] != "working")
+
+    wait_for(ended, what="the task to end")
+    failed = seen[-1]
+    assert failed["status"] == "failed", failed
+    assert isinstance(failed["error"]["code"], int) and failed["error"]["data"]["status"]
+    assert failed["statusMessage"] == failed["error"]["message"]
+    assert who not in server2.executions()
 
 
 def test_a_slow_call_through_two_replicas_completes_once_for_every_client(
