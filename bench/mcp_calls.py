@@ -13,7 +13,13 @@ own; this process is the client (httpx, one keep-alive connection, one call at a
   same call without a key, answered from the cache with its own ``id`` after the first;
 - **task**: through a third route with ``async``, a new key per call with ``params.task``:
   the time to the proxy's ``CreateTaskResult`` (the job kept in the store and queued; the
-  route's workers run the calls meanwhile, in the same process).
+  route's workers run the calls meanwhile, in the same process);
+- **task-2026**: the same route, the call in the 2026-07-28 tasks extension's form
+  (``params._meta`` with the revision, client info and capabilities declaring
+  ``io.modelcontextprotocol/tasks``, as ``@modelcontextprotocol/ext-tasks`` frames it): the
+  time to the flat ``CreateTaskResult`` (``resultType: "task"``). No
+  ``MCP-Protocol-Version`` header, so that the bench's server (mcp 1.x, which refuses
+  2026-07-28) runs the workers' calls, as in ``task``.
 
     .venv/bin/python bench/mcp_calls.py [--calls N] [--rounds R]
 
@@ -37,6 +43,13 @@ from processes import free_port, spawn, wait_up
 
 HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 ARGUMENTS = {"account": "bench", "cents": 1}
+EXTENSION_META = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientInfo": {"name": "bench", "version": "1"},
+    "io.modelcontextprotocol/clientCapabilities": {
+        "extensions": {"io.modelcontextprotocol/tasks": {}}
+    },
+}
 
 
 def serve_tool(port: int) -> None:
@@ -89,21 +102,27 @@ def _spawn(*args: str) -> subprocess.Popen[bytes]:
     return spawn(__file__, *args)
 
 
-def _call(http: httpx.Client, url: str, n: int, key: str | None) -> float:
+def _call(http: httpx.Client, url: str, n: int, key: str | None, form: str = "") -> float:
+    """One call; ``form``: ``task`` (``params.task``), ``task-2026`` (the extension)."""
     params: dict[str, Any] = {"name": "charge", "arguments": ARGUMENTS}
     if key is not None:
         params["_meta"] = {"idempotencyKey": key}
-    task = "/tasks/" in url
-    if task:
+    task = form.startswith("task")
+    if form == "task":
         params["task"] = {"ttl": 60000}
+    elif form == "task-2026":
+        params["_meta"] = {**params.get("_meta", {}), **EXTENSION_META}
     message = {"jsonrpc": "2.0", "id": n, "method": "tools/call", "params": params}
     started = time.perf_counter()
     answer = http.post(url, content=json.dumps(message), headers=HEADERS)
     seconds = time.perf_counter() - started
     result = answer.json()
-    answered = "result" in result and (not task or "task" in result["result"])
+    created = result.get("result", {})
+    answered = "result" in result and (
+        not task or "task" in created or created.get("resultType") == "task"
+    )
     if answer.status_code != 200 or result.get("id") != n or not answered:
-        raise SystemExit(f"unexpected answer: {answer.status_code} {answer.text[:200]}")
+        raise SystemExit(f"unexpected answer ({form}): {answer.status_code} {answer.text[:200]}")
     return seconds
 
 
@@ -115,9 +134,11 @@ def _check_hit(http: httpx.Client, url: str) -> None:
         raise SystemExit(f"the cache-hit scenario does not hit: {answer.headers}")
 
 
-def _round(http: httpx.Client, url: str, calls: int, keys: Any) -> tuple[float, list[float]]:
+def _round(
+    http: httpx.Client, url: str, calls: int, keys: Any, form: str
+) -> tuple[float, list[float]]:
     started = time.perf_counter()
-    latencies = [_call(http, url, n, keys(n)) for n in range(calls)]
+    latencies = [_call(http, url, n, keys(n), form) for n in range(calls)]
     return calls / (time.perf_counter() - started), latencies
 
 
@@ -131,24 +152,27 @@ def measure(calls: int, rounds: int) -> dict[str, tuple[float, float, float]]:
         direct = f"http://127.0.0.1:{tool_port}/mcp"
         proxied = f"http://127.0.0.1:{proxy_port}/mcp"
         cached = f"http://127.0.0.1:{proxy_port}/cached/mcp"
-        plans = {
-            "direct": (direct, lambda n: None),
-            "first-exec": (proxied, None),
-            "replay": (proxied, lambda n: "bench-replay"),
-            "cache-hit": (cached, lambda n: None),
-            "task": (f"http://127.0.0.1:{proxy_port}/tasks/mcp", None),
+        tasks = f"http://127.0.0.1:{proxy_port}/tasks/mcp"
+        plans: dict[str, tuple[str, Any, str]] = {
+            "direct": (direct, lambda n: None, ""),
+            "first-exec": (proxied, None, ""),
+            "replay": (proxied, lambda n: "bench-replay", ""),
+            "cache-hit": (cached, lambda n: None, ""),
+            "task": (tasks, None, "task"),
+            "task-2026": (tasks, None, "task-2026"),
         }
         results: dict[str, tuple[float, float, float]] = {}
         with httpx.Client(timeout=10) as http:
             _call(http, proxied, 0, "bench-replay")  # the replayed key, executed once
             _call(http, cached, 0, None)  # the cached answer, stored once
             _check_hit(http, cached)
-            for name, (url, keys) in plans.items():
+            for name, (url, keys, form) in plans.items():
                 best: tuple[float, list[float]] = (0.0, [])
                 for r in range(rounds):
                     use = keys or (lambda n, r=r: f"bench-{r}-{n}-{time.monotonic_ns()}")
-                    _round(http, url, min(50, calls), use)  # warm-up
-                    best = max(best, _round(http, url, calls, use), key=lambda b: b[0])
+                    _round(http, url, min(50, calls), use, form)  # warm-up
+                    measured = _round(http, url, calls, use, form)
+                    best = max(best, measured, key=lambda b: b[0])
                 rate, latencies = best
                 ms = sorted(x * 1000 for x in latencies)
                 results[name] = (rate, statistics.median(ms), ms[int(len(ms) * 0.99) - 1])

@@ -103,8 +103,8 @@ REFUSED = -32019
 # is what the transport spec has a server assume when the header is absent.
 PROTOCOL_VERSIONS = ("2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28")
 TASKS_REVISIONS = frozenset({"2025-11-25"})
-"""The revisions whose tools say ``execution.taskSupport`` (2026-07-28 moved tasks to an
-extension, which the proxy does not speak)."""
+"""The revisions whose tools say ``execution.taskSupport`` (2026-07-28 moved tasks to the
+extension ``io.modelcontextprotocol/tasks``, advertised in ``server/discover``)."""
 DEFAULT_PROTOCOL_VERSION = "2025-03-26"
 # Where a 2026-07-28 request states its revision itself (it must match the header).
 VERSION_META = "io.modelcontextprotocol/protocolVersion"
@@ -176,8 +176,8 @@ class Tasks(Protocol):
         """A ``tasks/*`` request about one of the proxy's tasks; None: the server's."""
 
     async def initialized(self, exchange: Exchange, body: bytes) -> Response:
-        """An ``initialize`` forwarded, its answer saying the server (the proxy) makes
-        tasks of ``tools/call``."""
+        """An ``initialize`` (or 2026-07-28 ``server/discover``) forwarded, its answer
+        saying the server (the proxy) makes tasks of ``tools/call``."""
 
 
 class Messages(Protocol):
@@ -340,7 +340,9 @@ class McpView:
                 return handled
         if isinstance(message, types.JSONRPCNotification) and self._cancels(message):
             return Handled(Reply(202, [(b"content-length", b"0")], b""), Outcome.PASSED)
-        if self.tasks is not None and _is_request(message, "initialize"):  # tasks: the proxy's
+        if self.tasks is not None and (
+            _is_request(message, "initialize") or _is_request(message, "server/discover")
+        ):  # tasks: the proxy's
             return Handled(await self.tasks.initialized(exchange, body), Outcome.PASSED)
         if (self.learns or self.tasks is not None) and _is_request(message, "tools/list"):
             offer = self.tasks is not None and _header(request, _VERSION) in TASKS_REVISIONS

@@ -22,6 +22,19 @@ task's ``notifications/tasks/status``; on a route with tasks, ``tools/list`` ans
     job          queued, running   completed                        failed, dead   cancelled
     task status  working           completed (failed: isError, or   failed         cancelled
                                    a JSON-RPC error)
+
+At revision 2026-07-28 tasks are the extension ``io.modelcontextprotocol/tasks``: one
+concept, another wire form. A guarded call whose per-request capabilities
+(``params._meta["io.modelcontextprotocol/clientCapabilities"].extensions``) declare the
+extension is made a task the same way, answered with a flat ``CreateTaskResult``
+(``resultType: "task"``, ``ttlMs``, ``pollIntervalMs``); ``tasks/get`` answers the
+``DetailedTask`` (``resultType: "complete"``; terminal: the call's result inlined,
+``completed`` even for ``isError``, or its JSON-RPC ``error``, ``failed``);
+``tasks/cancel`` and ``tasks/update`` (the proxy's tasks never wait for input) answer an
+empty ``resultType: "complete"``. There is no ``tasks/result`` or ``tasks/list`` at that
+revision: those are the server's. A 2026-07-28 ``tasks/*`` about a proxy's task from a
+request that does not declare the extension is refused with -32021. ``server/discover``
+answers (on a route with tasks) advertise the extension in ``capabilities.extensions``.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from proxy.jobs import RouteJobs, asked, job_id_of
 from proxy.mcp import (
     JSON,
     STREAM_SECONDS,
+    VERSION_META,
     Exchange,
     Handled,
     McpView,
@@ -76,6 +90,13 @@ from proxy.records import iso
 from proxy.store import Job, JobState, RecordKey, Store
 
 RELATED_TASK = "io.modelcontextprotocol/related-task"
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+"""The 2026-07-28 tasks extension (SEP-2663), declared in per-request capabilities."""
+CAPABILITIES_META = "io.modelcontextprotocol/clientCapabilities"
+EXTENSION_REVISION = "2026-07-28"
+"""The revision whose tasks are the extension's (``params.task`` before it)."""
+MISSING_CAPABILITY = -32021
+"""A 2026-07-28 request needs a client capability it did not declare (data names it)."""
 PROGRESS_TOKEN = "tool-proxy"
 """The progressToken of a job's call whose caller sent none (each follower gets its own)."""
 STATUS_NOTE = "notifications/tasks/status"
@@ -334,7 +355,8 @@ class McpTasks:
         None: answered as a live call (no key on a route that does not need one, or a
         record that is no job's in progress)."""
         params = json.loads(body).get("params") or {}
-        task = isinstance(params, dict) and "task" in params
+        extension = declares_extension(params)
+        task = extension or (isinstance(params, dict) and "task" in params)
         if not task and asked(self.jobs.config, None) is None:
             return None
         view = self.view
@@ -353,7 +375,11 @@ class McpTasks:
             return None
         accept, session = _header(request, b"accept"), _header(request, b"mcp-session-id")
         if task:
-            created = self._reply(call.id, {"task": await self._task(job)}, accept, session)
+            if extension:  # 2026-07-28: the task itself, flat, is the result
+                result = {"resultType": "task", **_handle(await self._detailed(job))}
+            else:
+                result = {"task": await self._task(job)}
+            created = self._reply(call.id, result, accept, session)
             return Handled(created, Outcome.ACCEPTED, op.label)
         token = call.meta.get("progressToken")
         response = await self._follow(job, op.key, call.id, accept, session, _retoken(token))
@@ -371,7 +397,10 @@ class McpTasks:
 
     async def initialized(self, exchange: Exchange, body: bytes) -> Response:
         """The server's ``initialize`` answer, its capabilities with ``tasks`` (list,
-        cancel, ``tools/call``): clients that check them before asking for a task ask."""
+        cancel, ``tools/call``), or its ``server/discover`` answer (2026-07-28), its
+        capabilities with the tasks extension: clients that check them before asking for a
+        task ask."""
+        discover = json.loads(body).get("method") == "server/discover"
         upstream = await exchange.forward(body)
         raw = await upstream.read()
         form = content_type(upstream.headers)
@@ -381,7 +410,11 @@ class McpTasks:
             headers = [*upstream.headers, (b"content-length", str(len(raw)).encode())]
             return Reply(upstream.status, headers, raw)
         capabilities = answer.result.setdefault("capabilities", {})
-        if isinstance(capabilities, dict):
+        if discover and isinstance(capabilities, dict):
+            extensions = capabilities.setdefault("extensions", {})
+            if isinstance(extensions, dict):
+                extensions.setdefault(TASKS_EXTENSION, {})
+        elif isinstance(capabilities, dict):
             tasks = capabilities.setdefault("tasks", {})
             if isinstance(tasks, dict):
                 tasks.setdefault("list", {})
@@ -396,8 +429,9 @@ class McpTasks:
         self, request: Incoming, message: types.JSONRPCRequest, principal: str
     ) -> Handled | None:
         params = message.params or {}
+        extension = _speaks_extension(request, params)
         try:
-            if message.method == "tasks/list":
+            if message.method == "tasks/list" and not extension:
                 return Handled(await self._list(request, message, principal), Outcome.PASSED)
             task_id = params.get("taskId")
             if not isinstance(task_id, str):
@@ -405,7 +439,10 @@ class McpTasks:
             job = await self.jobs.queue.get(task_id)
             if job is None or not self._owns(job, principal):
                 return None  # not the proxy's (or not this caller's): the server's to answer
-            response = await self._about(request, message, job)
+            if extension:
+                response = await self._about_extension(request, message, job, params)
+            else:
+                response = await self._about(request, message, job)
         except ProxyError as exc:
             return Handled(refusal(message.id, exc), Outcome.REJECTED)
         return None if response is None else Handled(response, Outcome.PASSED, job.label)
@@ -422,7 +459,35 @@ class McpTasks:
             return await self._follow(job, None, message.id, accept, session, _no_progress, job.id)
         return None
 
-    async def _cancel(self, id: str | int, job: Job, accept: str, session: str) -> Response:
+    async def _about_extension(
+        self, request: Incoming, message: types.JSONRPCRequest, job: Job, params: dict[str, Any]
+    ) -> Response | None:
+        """A 2026-07-28 ``tasks/get``, ``tasks/cancel`` or ``tasks/update`` about one of
+        the proxy's tasks (None: another method, the server's)."""
+        if message.method not in ("tasks/get", "tasks/cancel", "tasks/update"):
+            return None
+        if not declares_extension(params):
+            required: dict[str, Any] = {
+                "requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}
+            }
+            return error_reply(
+                message.id, MISSING_CAPABILITY, "Missing required client capability: the "
+                f"request does not declare the {TASKS_EXTENSION} extension", status=200,
+                data=required,
+            )  # fmt: skip
+        accept, session = _header(request, b"accept"), _header(request, b"mcp-session-id")
+        if message.method == "tasks/get":
+            result = {"resultType": "complete", **await self._detailed(job)}
+            return self._reply(message.id, result, accept, session)
+        if message.method == "tasks/cancel":
+            return await self._cancel(message.id, job, accept, session, extension=True)
+        # tasks/update: the proxy's tasks are never input_required; responses to requests
+        # it did not make are ignored, as the extension lets a server do.
+        return self._reply(message.id, {"resultType": "complete"}, accept, session)
+
+    async def _cancel(
+        self, id: str | int, job: Job, accept: str, session: str, *, extension: bool = False
+    ) -> Response:
         if job.state.terminal:
             return error_reply(
                 id, types.INVALID_PARAMS, f"Task {job.id} has already ended ({job.state.value})",
@@ -437,6 +502,8 @@ class McpTasks:
                     "completes or fails and is recorded as usual"
                 ),
             )
+        if extension:  # 2026-07-28: an empty acknowledgement
+            return self._reply(id, {"resultType": "complete"}, accept, session)
         return self._reply(id, await self._task(cancelled), accept, session)
 
     async def _list(
@@ -481,6 +548,35 @@ class McpTasks:
             task["statusMessage"] = message
         if problem and doc is not None:
             task["_meta"] = {PROBLEM_META: doc}
+        return task
+
+    async def _detailed(self, job: Job) -> dict[str, Any]:
+        """The task as the 2026-07-28 extension says it (``DetailedTask``): an ended one
+        with the call's result (``completed``, an ``isError`` one too) or its JSON-RPC
+        error (``failed``), as a ``tools/call`` sent again with its key would be answered."""
+        task: dict[str, Any] = {
+            "taskId": job.id,
+            "status": "working",
+            "createdAt": iso(job.created_at),
+            "lastUpdatedAt": iso(job.updated_at),
+            "ttlMs": round(job.keep * 1000),
+            "pollIntervalMs": round(self.jobs.guard.policy.retry_after * 1000),
+        }
+        if job.state is JobState.CANCELLED:
+            task["status"] = "cancelled"
+            task["statusMessage"] = "cancelled before it was sent: the tool was not called"
+        elif job.state.terminal:
+            answer = json.loads(await body_of(await self._final(job, 0, None, "")))
+            result, error = answer.get("result"), answer.get("error")
+            if isinstance(result, dict):
+                result.setdefault("resultType", "complete")
+                task.update(status="completed", result=result)
+            else:
+                if not isinstance(error, dict):  # not a JSON-RPC answer: an internal error
+                    error = {"code": types.INTERNAL_ERROR, "message": "no result was recorded"}
+                task.update(status="failed", error=error)
+                if isinstance(error.get("message"), str) and error["message"]:
+                    task["statusMessage"] = error["message"]
         return task
 
     async def _failed_result(self, job: Job) -> bool:
@@ -644,16 +740,46 @@ def _message(body: bytes) -> types.JSONRPCResponse | types.JSONRPCError | None:
     return message if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) else None
 
 
+def declares_extension(params: object) -> bool:
+    """True if a request's per-request capabilities (2026-07-28) declare the tasks
+    extension: ``params._meta[CAPABILITIES_META].extensions[TASKS_EXTENSION]``, an object
+    (empty: no settings are defined)."""
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    capabilities = meta.get(CAPABILITIES_META) if isinstance(meta, dict) else None
+    extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
+    return isinstance(extensions, dict) and isinstance(extensions.get(TASKS_EXTENSION), dict)
+
+
+def _speaks_extension(request: Incoming, params: dict[str, Any]) -> bool:
+    """True if a ``tasks/*`` request is of 2026-07-28 (its ``_meta`` revision, or its
+    ``MCP-Protocol-Version`` header), or declares the extension: the extension's forms."""
+    meta = params.get("_meta")
+    declared = meta.get(VERSION_META) if isinstance(meta, dict) else None
+    version = declared if isinstance(declared, str) else _header(request, b"mcp-protocol-version")
+    return version == EXTENSION_REVISION or declares_extension(params)
+
+
+def _handle(task: dict[str, Any]) -> dict[str, Any]:
+    """A ``CreateTaskResult``'s task: without an ended task's result or error (``tasks/get``
+    has them)."""
+    return {k: v for k, v in task.items() if k not in ("result", "error")}
+
+
 def _stored_body(body: bytes) -> bytes:
-    """The call as the MCP server gets it from a worker: without ``params.task`` (the task
-    is the proxy's), and with a ``progressToken`` (the proxy's if the caller sent none),
-    so that the server reports progress for whoever follows the job."""
+    """The call as the MCP server gets it from a worker: without ``params.task`` or the
+    declared tasks extension (the task is the proxy's: the server makes none), and with a
+    ``progressToken`` (the proxy's if the caller sent none), so that the server reports
+    progress for whoever follows the job."""
     message = json.loads(body)
     params = message["params"]
     params.pop("task", None)
     meta = params.setdefault("_meta", {})
     if isinstance(meta, dict):
         meta.setdefault("progressToken", PROGRESS_TOKEN)
+        capabilities = meta.get(CAPABILITIES_META)  # 2026-07-28: nor the tasks extension
+        extensions = capabilities.get("extensions") if isinstance(capabilities, dict) else None
+        if isinstance(extensions, dict):
+            extensions.pop(TASKS_EXTENSION, None)
     return json.dumps(message, separators=(",", ":")).encode()
 
 

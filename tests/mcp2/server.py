@@ -7,9 +7,10 @@ tests/test_mcp_2026.py with .venv-mcp2's Python (the test suite's own venv has m
 makes an SSE-mode server answer with an SSE stream; without one it answers JSON);
 ``close`` asks the user to confirm (an elicitation: an ``InputRequiredResult`` at
 2026-07-28) before it counts; ``hold`` waits until ``POST /open?account=...``, then
-counts (``hold:<account>``); ``refund`` fails (``isError``) after counting; ``balance``
-is annotated read-only. The counts are at ``GET /executions``, read by the test
-directly (not through the proxy).
+counts (``hold:<account>``); ``slow`` takes ``seconds`` (counted when it starts,
+``running:<account>``, and when it ends, ``slow:<account>``); ``refund`` fails
+(``isError``) after counting; ``balance`` is annotated read-only. The counts are at
+``GET /executions``, read by the test directly (not through the proxy).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ async def hold(account: str) -> str:
     await gates[account].wait()
     executions[f"hold:{account}"] += 1
     return f"held {account} (#{executions[f'hold:{account}']})"
+
+
+@server.tool()
+async def slow(account: str, seconds: float) -> str:
+    """A slow tool without tasks support: counted as it starts and as it ends."""
+    executions[f"running:{account}"] += 1
+    await asyncio.sleep(seconds)
+    executions[f"slow:{account}"] += 1
+    return f"slow {account} (#{executions[f'slow:{account}']})"
 
 
 @server.custom_route("/open", methods=["POST"])  # type: ignore[untyped-decorator]
