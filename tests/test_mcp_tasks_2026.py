@@ -303,3 +303,53 @@ def test_a_task_is_its_principals_own(
     assert "result" not in hidden  # the server's answer: not one of its tasks
     assert hidden["error"]["code"] not in (mcp_tasks.MISSING_CAPABILITY, mcp.REFUSED)
     assert seen["result"]["taskId"] == task_id
+
+
+def test_a_replica_killed_with_one_task_sent_and_one_queued(
+    redis_server: RedisServer, server2: Server2, tmp_path: Path
+) -> None:
+    """One worker: the first task's call at the tool, the second queued behind it, when
+    replica a is killed. On replica b the queued task runs once; the sent one is never sent
+    again: ``tasks/get`` says failed, with the outcome-unknown JSON-RPC error."""
+    redis_server.flush()
+    spec: dict[str, Any] = {"store": {"url": redis_server.url, "sealing_key_env": SEALING_ENV}}
+    spec["routes"] = [{**tasks_route(server2.url), "workers": {"concurrency": 1}}]
+    sent, queued = account(), account()
+
+    def call(who: str) -> dict[str, Any]:
+        arguments = {"account": who, "seconds": 3}
+        meta = {"idempotencyKey": new_key(arguments)}
+        return {"name": "slow", "arguments": arguments, "_meta": meta}
+
+    a = ProxyProcess(spec, tmp_path).start()
+    try:
+        first = raw(a.url + "/mcp", "tools/call", call(sent))["result"]["taskId"]
+        wait_for(lambda: server2.executions().get(f"running:{sent}") == 1, what="the call sent")
+        second = raw(a.url + "/mcp", "tools/call", call(queued))["result"]["taskId"]
+        a.kill()
+    finally:
+        if a.process is not None:
+            a.stop()
+    b = ProxyProcess(spec, tmp_path).start()
+    try:
+        url = b.url + "/mcp"
+
+        def ended(task_id: str) -> dict[str, Any]:
+            seen: list[dict[str, Any]] = []
+
+            def done() -> bool:
+                seen.append(raw(url, "tasks/get", {"taskId": task_id})["result"])
+                return bool(seen[-1]["status"] != "working")
+
+            wait_for(done, seconds=30, what=f"task {task_id} to end")
+            return seen[-1]
+
+        completed, failed = ended(second), ended(first)
+    finally:
+        b.stop()
+    assert completed["status"] == "completed"
+    assert completed["result"]["content"][0]["text"] == f"slow {queued} (#1)"
+    assert server2.executions()[f"running:{queued}"] == 1
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == mcp.OUTCOME_UNKNOWN
+    assert server2.executions()[f"running:{sent}"] == 1  # never sent again
