@@ -150,23 +150,26 @@ def scopes(scenario: str, n: int) -> list[dict[str, Any]]:
             headers.append((b"idempotency-key", f"{next(plans)}:1:{args_hash}".encode()))
         elif scenario == "replay":
             headers.append((b"idempotency-key", f"fixed:1:{args_hash}".encode()))
-        out.append(
-            {
-                "type": "http",
-                "asgi": {"version": "3.0"},
-                "http_version": "1.1",
-                "method": "POST",
-                "scheme": "http",
-                "path": path,
-                "raw_path": path.encode(),
-                "query_string": b"",
-                "headers": headers,
-                "client": ("127.0.0.1", 50000),
-                "server": ("127.0.0.1", 8080),
-                "root_path": "",
-            }
-        )
+        out.append(asgi_scope("POST", path, headers))
     return out
+
+
+def asgi_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """An HTTP request's ASGI scope as uvicorn makes it."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8080),
+        "root_path": "",
+    }
 
 
 async def receive() -> dict[str, Any]:

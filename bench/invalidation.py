@@ -29,7 +29,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hot_path import CannedUpstream, quiet_logs, receive, sender
+from hot_path import CannedUpstream, asgi_scope, quiet_logs, receive, sender
 from store_servers import redis_info, redis_usage
 
 from proxy.app import App, create_app
@@ -77,20 +77,7 @@ def scope(scenario: str) -> dict[str, Any]:
         headers += [(b"content-type", b"application/json"), (b"content-length", b"2")]
     if guarded:
         headers.append((b"idempotency-key", f"k{next(_KEYS)}".encode()))
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": headers,
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8080),
-        "root_path": "",
-    }
+    return asgi_scope(method, path, headers)
 
 
 def snapshot(client: redis.Redis | None) -> list[dict[str, Any]]:
