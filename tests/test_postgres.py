@@ -211,6 +211,18 @@ async def test_migrate_says_why_it_cannot(tmp_path: Path) -> None:
     )
 
 
+async def _migrated_to(
+    version: int, server: PostgresServer, dbname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Apply the schema of ``dbname`` up to ``version`` only: a database of that release."""
+    with monkeypatch.context() as patch:
+        patch.setattr(postgres, "MIGRATIONS", MIGRATIONS[:version])
+        async with await psycopg.AsyncConnection.connect(
+            parse_postgres_url(server.url(dbname)).conninfo, autocommit=True
+        ) as conn:
+            assert await postgres.migrate(conn, "tool_proxy") == version
+
+
 async def test_version_2_upgrades_a_version_1_database_whose_replicas_keep_working(
     postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,12 +235,7 @@ async def test_version_2_upgrades_a_version_1_database_whose_replicas_keep_worki
         "SELECT tool_proxy.complete(%s, %s, %s, 'a', 'fp', 'completed', 'done', 60, true,"
         " 'a', NULL)"
     )
-    with monkeypatch.context() as patch:
-        patch.setattr(postgres, "MIGRATIONS", MIGRATIONS[:1])
-        async with await psycopg.AsyncConnection.connect(
-            parse_postgres_url(postgres_server.url(dbname)).conninfo, autocommit=True
-        ) as conn:
-            assert await postgres.migrate(conn, "tool_proxy") == 1
+    await _migrated_to(1, postgres_server, dbname, monkeypatch)
     args = (*KEY, KEY.scope)
     with postgres_server.admin(dbname) as conn:
         assert conn.execute(v1_claim, (*args, "a")).fetchone()[0] is True  # type: ignore[index]
@@ -258,12 +265,7 @@ async def test_version_3_upgrades_a_version_2_database_whose_replicas_keep_worki
     replicas still running call it, answers as before (two columns) on the same entries."""
     dbname = postgres_server.create_database()
     v1_op = "SELECT * FROM tool_proxy.version_op(%s, 'scope', 'res', %s, %s, 60, 0, NULL)"
-    with monkeypatch.context() as patch:
-        patch.setattr(postgres, "MIGRATIONS", MIGRATIONS[:2])
-        async with await psycopg.AsyncConnection.connect(
-            parse_postgres_url(postgres_server.url(dbname)).conninfo, autocommit=True
-        ) as conn:
-            assert await postgres.migrate(conn, "tool_proxy") == 2
+    await _migrated_to(2, postgres_server, dbname, monkeypatch)
     with postgres_server.admin(dbname) as conn:
         begun = conn.execute(v1_op, ("begin", "old", False)).fetchone()
     assert begun == (1, False)
