@@ -157,7 +157,7 @@ class Versioning:
                 raise
             return await forward()  # a write of no one resource: nothing to invalidate
         if not checked:
-            return await self._reserved(context, key, forward, None, None)
+            return await self._reserved(context, key, forward, False, None, None)
         if_match = _tags(header_value(context, b"if-match"))
         if_none_match = _tags(header_value(context, b"if-none-match"))
         if if_match is None and if_none_match is None and self.required:
@@ -167,18 +167,19 @@ class Versioning:
                 'send If-Match: "<version>" (the ETag of a read), or If-None-Match: * '
                 "for the first write"
             )
-        return await self._reserved(context, key, forward, if_match, if_none_match)
+        return await self._reserved(context, key, forward, True, if_match, if_none_match)
 
     async def _reserved(
         self,
         context: Context,
         key: str,
         forward: Forward,
+        checked: bool,
         if_match: set[str] | None,
         if_none_match: set[str] | None,
     ) -> UpstreamResponse:
-        """The write, holding the resource's reservation: marked, checked, sent, bumped."""
-        checked = self.etags and context.request.method in self.checked
+        """The write, holding the resource's reservation: marked, checked against its
+        preconditions, sent, bumped; its answer carries the ETag if ``checked``."""
         held = await self.locker.take("v|" + key)
         try:
             version = await self._begin(key, held)
