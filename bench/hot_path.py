@@ -33,8 +33,6 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import structlog
-
 from proxy import forwarding, logs, tracing
 from proxy.app import App, create_app
 from proxy.config import parse_config
@@ -221,9 +219,8 @@ async def main(requests: int, rounds: int, traced: bool = False) -> dict[str, fl
 
 def quiet_logs() -> None:
     """Log lines are rendered as in production, then dropped."""
-    logs.configure("info")
     devnull = open(os.devnull, "w", buffering=logs.LOG_BUFFER_BYTES)  # noqa: SIM115
-    structlog.configure(logger_factory=lambda *args: logs.LineWriter(devnull))
+    logs.configure("info", stream=devnull)
 
 
 def run(requests: int = 20000, rounds: int = 3, traced: bool = False) -> dict[str, float]:

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -124,6 +124,21 @@ class Trace:
     mcp: Any = None
 
 
+class Handling(NamedTuple):
+    """What the proxy does with one route's requests: built once per route, found with
+    one look-up per request."""
+
+    view: McpView | None
+    """The JSON-RPC view of a ``protocol: mcp`` route."""
+    guard: Guard | None
+    chain: Chain | None
+    jobs: RouteJobs | None
+    tokened: bool
+    """The route forwards a downstream token of its own."""
+    plain: bool
+    """No policy and no token: an unguarded request is passed through as it comes."""
+
+
 async def read_body(request: Incoming, limit: int) -> bytes:
     """The whole request body, or ``RequestTooLarge`` as soon as it passes ``limit``."""
     declared = request.header(b"content-length")
@@ -198,7 +213,7 @@ class Proxy:
         self.upstream = upstream
         self.tasks = tasks
         self.log = logs.get_logger()
-        self.request_log = logs.get_request_logger().bind()  # resolved once: no lazy proxy
+        self.request_log = logs.get_request_log()
         self.router = Router(config.routes)
         server = config.server
         self.listener = Listener.of(server.host, server.allowed_hosts, server.allowed_origins)
@@ -261,6 +276,19 @@ class Proxy:
                 if r.runs_jobs()
             }
         self.mcp_tasks = self._mcp_tasks()
+        self.handling = {r.name: self._handling(r.name) for r in config.routes}
+
+    def _handling(self, route: str) -> Handling:
+        chain = self.chains.get(route)
+        tokened = self.tokens is not None and self.tokens.applies(route)
+        return Handling(
+            self.mcp.get(route),
+            self.guards.get(route),
+            chain,
+            self.jobs.get(route),
+            tokened,
+            chain is None and not tokened,
+        )
 
     def _mcp_views(self, routes: Iterable[RouteConfig], store: Store) -> dict[str, McpView]:
         """The JSON-RPC view of each ``protocol: mcp`` route. The MCP modules are imported
@@ -322,37 +350,20 @@ class Proxy:
 
     def _log(self, scope: Scope, trace: Trace, status: int, seconds: float) -> None:
         """The request event and its metrics (and the end of its span)."""
-        if trace.span is not None:
-            self._log_traced(scope, trace, status, seconds)
-            return
-        self.request_log.info(
-            "request",
-            method=scope["method"],
-            path=scope["path"],
-            route=trace.route,
-            key=trace.key,
-            outcome=trace.outcome.value,
-            status=status,
-            latency_ms=round(seconds * 1000, 3),
+        tracing = self.tracing if trace.span is not None else None
+        self.request_log.write(
+            scope["method"],
+            scope["path"],
+            trace.route,
+            trace.key,
+            trace.outcome.value,
+            status,
+            round(seconds * 1000, 3),
+            None if tracing is None else tracing.log_fields(trace),  # the line names its trace
         )
         self.metrics.observe(trace.route or "", trace.outcome.value, status, seconds)
-
-    def _log_traced(self, scope: Scope, trace: Trace, status: int, seconds: float) -> None:
-        """``_log`` of a traced request: the line names its trace; then the span ends."""
-        assert self.tracing is not None
-        self.request_log.info(
-            "request",
-            method=scope["method"],
-            path=scope["path"],
-            route=trace.route,
-            key=trace.key,
-            outcome=trace.outcome.value,
-            status=status,
-            latency_ms=round(seconds * 1000, 3),
-            **self.tracing.log_fields(trace),
-        )
-        self.metrics.observe(trace.route or "", trace.outcome.value, status, seconds)
-        self.tracing.finish(trace, status)
+        if tracing is not None:
+            tracing.finish(trace, status)
 
     async def _dispatch(self, request: Incoming, trace: Trace) -> Response:
         scope = request.scope
@@ -371,7 +382,8 @@ class Proxy:
         if self.tracing is not None:
             self.tracing.routed(trace.span, route, request.method)
         principal, identity = ("", "") if route.auth is None else await self.caller(request, route)
-        view = self.mcp.get(route.name)
+        handling = self.handling[route.name]
+        view = handling.view
         if view is not None:  # JSON-RPC: guard tools/call, pass the rest through (mcp.py)
             exchange = McpExchange(self, request, route, principal, identity, trace)
             handled = await view.handle(request, exchange, principal)
@@ -379,12 +391,10 @@ class Proxy:
             if exchange.cached and handled.outcome is Outcome.EXECUTED:
                 trace.outcome = Outcome.CACHED
             return exchange.decorate(handled.response)
-        guard = self.guards.get(route.name)
+        guard = handling.guard
         if guard is not None and not guard.guards(request.method):
             guard = None
-        tokened = self.tokens is not None and self.tokens.applies(route.name)
-        chain = self.chains.get(route.name)
-        if guard is None and not tokened and chain is None:
+        if guard is None and handling.plain:
             trace.outcome = Outcome.PASSED
             return await self.pass_through(request, route)
         # read whole: to hash it, or to send it again after a 401 with a new token
@@ -401,13 +411,11 @@ class Proxy:
                 _target(scope),
                 max_depth=self.max_json_depth,
             )
-        if op is not None and route.name in self.jobs:  # a long call: 202, then workers
+        if op is not None and handling.jobs is not None:  # a long call: 202, then workers
             how = asked(route.async_, prefer(scope))  # type: ignore[arg-type]
             if how is not None:
                 trace.key = op.label
-                answer = await self.jobs[route.name].submit(
-                    op, request, body, principal, identity, how
-                )
+                answer = await handling.jobs.submit(op, request, body, principal, identity, how)
                 if answer is not None:
                     trace.outcome = Outcome.ACCEPTED
                     return answer

@@ -361,6 +361,10 @@ class Guard:
         # caller while they are spooled, so memory stays bounded whatever the tool sends.
         self._read_whole = offload.threshold if offload else DEFAULT_OFFLOAD_THRESHOLD
         self._leases = Leases(self)
+        # The largest outcome recorded with its body (above it: "executed, not kept").
+        self._stored_limit = store.max_payload_bytes
+        if policy.max_stored_bytes is not None:
+            self._stored_limit = min(self._stored_limit, policy.max_stored_bytes)
 
     def guards(self, method: str) -> bool:
         return method in self._methods
@@ -453,7 +457,26 @@ class Guard:
             fence.arm(lease)
         self.tasks.enter()
         try:
-            return await self._execute(lease, forward)
+            try:
+                upstream = await forward()  # the fence is checked at the send, after every wait
+            except NOT_SENT:
+                await self._conclude(lease, RELEASE)
+                raise
+            except OutcomeUnknown as exc:
+                return await self._unknown(lease, exc)
+            except Exception as exc:  # the proxy's own failure, the request perhaps sent
+                return await self._unknown(lease, self._lost(lease, "failed", repr(exc)))
+            except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
+                await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
+                raise
+            except BaseException:
+                lease.stop()
+                raise
+            # Bodies small and of a known length are read whole; others stream to the
+            # caller while they are spooled (memory up to the threshold, then a file).
+            if upstream.length is None or upstream.length > self._read_whole:
+                return self._tee(lease, upstream)
+            return await self._read_whole_and_conclude(lease, upstream)
         finally:
             self.tasks.leave()
 
@@ -497,27 +520,6 @@ class Guard:
             "a request with this Idempotency-Key is being executed; retry later",
             headers={"Retry-After": str(retry_after)},
         )
-
-    async def _execute(self, lease: Lease, forward: Forward) -> tuple[Response, Outcome]:
-        """Forward the claimed call and conclude its record."""
-        try:
-            upstream = await forward()  # the fence is checked at the send, after every wait
-        except NOT_SENT:
-            await self._conclude(lease, RELEASE)
-            raise
-        except OutcomeUnknown as exc:
-            return await self._unknown(lease, exc)
-        except Exception as exc:  # the proxy's own failure, the request perhaps sent
-            return await self._unknown(lease, self._lost(lease, "failed", repr(exc)))
-        except asyncio.CancelledError:  # a shutdown that gave up waiting for the call
-            await self._unknown(lease, self._lost(lease, "cancelled", "shut down"), ask=False)
-            raise
-        except BaseException:
-            lease.stop()
-            raise
-        if self._streams(upstream):
-            return self._tee(lease, upstream)
-        return await self._read_whole_and_conclude(lease, upstream)
 
     async def _read_whole_and_conclude(
         self, lease: Lease, upstream: UpstreamResponse
@@ -609,11 +611,6 @@ class Guard:
             return UNSETTLED
         return RELEASE if found is None else Verdict(found)
 
-    def _streams(self, upstream: UpstreamResponse) -> bool:
-        """True unless the body is small and of a known length: it then streams to the
-        caller while it is spooled (memory up to the threshold, then a file) and recorded."""
-        return upstream.length is None or upstream.length > self._read_whole
-
     async def _verdict(
         self, lease: Lease, upstream: UpstreamResponse, body: bytes | Spool
     ) -> Verdict:
@@ -694,7 +691,7 @@ class Guard:
         offload = self.offload
         if offload is not None and offload.wants(size):
             return None
-        limit = self._stored_limit()
+        limit = self._stored_limit
         if size > limit:
             self.log.warning("response_not_stored", route=self.route.name, bytes=size)
             return StoredResponse.of_problem(
@@ -703,14 +700,9 @@ class Guard:
                     f"route's limit on stored responses ({limit} bytes) and cannot be replayed"
                 )
             )
-        self._warn_if_large(size)
+        if size > DEFAULT_OFFLOAD_THRESHOLD:
+            self._warn_if_large(size)
         return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
-
-    def _stored_limit(self) -> int:
-        limit = self.store.max_payload_bytes
-        if self.policy.max_stored_bytes is not None:
-            limit = min(limit, self.policy.max_stored_bytes)
-        return limit
 
     async def _offloaded(self, upstream: UpstreamResponse, body: bytes | Spool) -> StoredResponse:
         """The outcome with its body in object storage (or inline, if the object store
@@ -723,13 +715,13 @@ class Guard:
             self.log.warning(
                 "offload_failed_stored_inline", route=self.route.name, bytes=size, error=exc.detail
             )
-            if size > self._stored_limit():
+            if size > self._stored_limit:
                 raise
             return StoredResponse.of(upstream.status, upstream.headers, _bytes(body))
         return StoredResponse.of(upstream.status, upstream.headers, b"").offloaded(ref)
 
     def _warn_if_large(self, size: int) -> None:
-        if self.offload is None and size > DEFAULT_OFFLOAD_THRESHOLD and not self._warned_large:
+        if self.offload is None and not self._warned_large:
             self._warned_large = True
             self.log.warning(
                 "large_response_stored_inline",

@@ -13,8 +13,8 @@ import functools
 import json
 import logging
 import sys
-from collections.abc import MutableMapping
-from datetime import UTC, datetime
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -83,19 +83,94 @@ def _serialize(event: Any, **options: Any) -> str:
     return _ENCODER.encode(event)
 
 
-_configured = False
+_level: int | None = None
+"""The configured level (``configure``); None where logging is not configured."""
 
 
-def render_request(logger: Any, method_name: str, event: MutableMapping[str, Any]) -> str:
-    """The ``request`` line in one processor: level, UTC ISO timestamp, JSON.
+class Timestamps:
+    """UTC times as structlog's ``TimeStamper(fmt="iso", utc=True)`` writes them
+    (``2026-12-02T17:12:44.610699Z``), the part up to the second formatted once a second:
+    a third of ``datetime.now(UTC).isoformat()``'s cost, once per request line."""
 
-    The ``request`` event, one per proxied request, is made of the proxy's own fields
-    (method, path, route, key, outcome, status, latency), never of a header or a body:
-    it needs no redaction, and one processor costs less than the chain of the others.
-    """
-    event["level"] = method_name
-    event["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
-    return _ENCODER.encode(event)
+    __slots__ = ("_clock", "_second", "_text")
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        self._clock = clock
+        self._second = -1
+        self._text = ""
+
+    def now(self) -> str:
+        second, rest = divmod(self._clock(), 1_000_000_000)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        return f"{self._text}.{rest // 1000:06d}Z"
+
+
+_timestamp = Timestamps().now
+
+
+_escape = json.encoder.encode_basestring_ascii
+"""A string as ``json.dumps`` writes it (ASCII, quoted): the json module's C escaper."""
+
+
+def _text(value: str | None) -> str:
+    return "null" if value is None else _escape(value)
+
+
+class RequestLog:
+    """The ``request`` event, one per proxied request (method, path, route, key,
+    outcome, status, latency: the proxy's own fields, never a header or a body, so it
+    needs no redaction). Written straight to the log stream as the same JSON line
+    structlog's chain would make, at a third of its cost; where logging is not
+    configured (an app embedded in tests), through structlog, which tests capture."""
+
+    __slots__ = ("_logger", "_stream")
+
+    def __init__(self, stream: TextIO | None, logger: Any = None) -> None:
+        self._stream = stream
+        """The log stream; None below the configured level (nothing written)."""
+        self._logger = logger
+        """structlog's logger, when logging is not configured."""
+
+    def write(
+        self,
+        method: str,
+        path: str,
+        route: str | None,
+        key: str | None,
+        outcome: str,
+        status: int,
+        latency_ms: float,
+        more: Mapping[str, str] | None = None,
+    ) -> None:
+        """One line; ``more``: the request's trace and span ids, when traced."""
+        if self._logger is not None:
+            fields = {} if more is None else more
+            self._logger.info(
+                "request",
+                method=method,
+                path=path,
+                route=route,
+                key=key,
+                outcome=outcome,
+                status=status,
+                latency_ms=latency_ms,
+                **fields,
+            )
+            return
+        if self._stream is None:
+            return
+        line = (
+            f'{{"method": {_escape(method)}, "path": {_escape(path)}, "route": {_text(route)}, '
+            f'"key": {_text(key)}, "outcome": {_escape(outcome)}, "status": {status:d}, '
+            f'"latency_ms": {latency_ms!r}'
+        )
+        if more:
+            line += "".join(f", {_escape(name)}: {_escape(value)}" for name, value in more.items())
+        self._stream.write(
+            f'{line}, "event": "request", "level": "info", "timestamp": "{_timestamp()}"}}\n'
+        )
 
 
 def flush() -> None:
@@ -103,14 +178,16 @@ def flush() -> None:
     _stream.flush()
 
 
-def configure(level: str = "info") -> None:
-    """JSON logs on stdout at ``level``, buffered (see :class:`LineWriter`)."""
-    global _stream
-    _stream = open(sys.stdout.fileno(), "w", buffering=LOG_BUFFER_BYTES, closefd=False)  # noqa: SIM115
+def configure(level: str = "info", stream: TextIO | None = None) -> None:
+    """JSON logs on stdout (or ``stream``) at ``level``, buffered (see
+    :class:`LineWriter`)."""
+    global _stream, _level
+    if stream is None:
+        stream = open(sys.stdout.fileno(), "w", buffering=LOG_BUFFER_BYTES, closefd=False)  # noqa: SIM115
+    _stream = stream
     atexit.register(flush)
     logging.basicConfig(format="%(message)s", stream=sys.stdout, level=level.upper())
-    global _configured
-    _configured = True
+    _level = logging.getLevelName(level.upper())
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -120,7 +197,7 @@ def configure(level: str = "info") -> None:
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(_serialize),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        wrapper_class=structlog.make_filtering_bound_logger(_level),
         logger_factory=lambda *args: LineWriter(_stream),
         cache_logger_on_first_use=True,
     )
@@ -131,8 +208,8 @@ def get_logger() -> Any:
     return structlog.get_logger("tool_proxy")
 
 
-def get_request_logger() -> Any:
-    """The logger of the ``request`` events: the configured one, without redaction."""
-    if not _configured:  # an app embedded in tests: structlog's own defaults
-        return get_logger()
-    return structlog.wrap_logger(None, processors=[render_request])
+def get_request_log() -> RequestLog:
+    """Where the ``request`` events go: the log stream, at the configured level."""
+    if _level is None:  # an app embedded in tests: structlog's own defaults
+        return RequestLog(None, get_logger().bind())
+    return RequestLog(_stream if _level <= logging.INFO else None)

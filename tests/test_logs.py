@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import socket
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 
+from proxy import logs
 from proxy.logs import REDACTED, redact
 from tests.conftest import new_key, route
 from tests.servers import CountingTool, ProxyProcess, wait_for
@@ -121,3 +127,55 @@ def test_a_caller_leaving_before_its_body_is_logged_not_forwarded(
     assert request["outcome"] == "rejected"
     assert not [e for e in events if e["event"] == "unexpected_error"]
     assert tool.total == 0
+
+
+def test_request_timestamps_are_iso_utc_to_the_microsecond() -> None:
+    """The request line's cheap timestamps read as datetime's own, across seconds (the
+    cached part) and at a whole second (isoformat would drop the fraction there)."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    times = [
+        1_796_000_000_123_456_789,
+        1_796_000_000_999_999_999,
+        1_796_000_001_000_000_000,
+        1_796_000_001_000_000_999,
+        1_796_003_601_500_000_000,
+    ]
+    clock = iter(times)
+    stamps = logs.Timestamps(lambda: next(clock))
+    for ns in times:
+        expected = epoch + timedelta(microseconds=ns // 1000)
+        assert stamps.now() == expected.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def test_the_request_line_is_the_json_structlog_would_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request line, written without structlog's chain, is the same JSON object in
+    the same order (escapes of caller-chosen paths and keys included); a traced one
+    names its trace; below the configured level nothing is written."""
+    stream = io.StringIO()
+    line = logs.RequestLog(stream)
+    line.write("POST", '/tools/"é\n\u2028', "tool", None, "executed", 200, 0.125)
+    ids = {"trace_id": "0af7", "span_id": "b7"}
+    line.write("GET", "/x", None, "p:1:ab", "passed", 404, 1e-05, ids)
+    monkeypatch.setattr(logs, "_stream", stream)
+    monkeypatch.setattr(logs, "_level", logging.WARNING)  # configure("warning")
+    logs.get_request_log().write("POST", "/x", "tool", None, "passed", 200, 1.0)
+    first, second = stream.getvalue().splitlines()
+    event = json.loads(first)
+    fields = {
+        "method": "POST",
+        "path": '/tools/"é\n\u2028',
+        "route": "tool",
+        "key": None,
+        "outcome": "executed",
+        "status": 200,
+        "latency_ms": 0.125,
+        "event": "request",
+        "level": "info",
+    }
+    assert first == json.dumps({**fields, "timestamp": event["timestamp"]})
+    traced = json.loads(second)
+    assert list(traced)[-5:] == ["trace_id", "span_id", "event", "level", "timestamp"]
+    assert traced["latency_ms"] == 1e-05 and traced["key"] == "p:1:ab" and traced["route"] is None
+    assert datetime.fromisoformat(event["timestamp"]).tzinfo is not None
