@@ -150,9 +150,30 @@ class Confirm:
     seconds: float
 
 
-# A command to send, whether it is safe to send again (``resend``), and the confirmation
-# its caller waits for (None: none).
-Item = tuple[Command, bool, Confirm | None]
+class _Batch:
+    """The commands that ride the next round trip, in the lists it sends them from: each
+    command, whether it is safe to send again (``resend``), its caller's future; the
+    confirmation some of them wait for (the first asked: one per connection is the same)
+    and which they are."""
+
+    __slots__ = ("commands", "confirm", "confirmed", "futures", "resend")
+
+    def __init__(self) -> None:
+        self.commands: list[Command] = []
+        self.resend: list[bool] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.confirm: Confirm | None = None
+        self.confirmed: list[int] = []
+
+    def add(self, command: Command, resend: bool, confirm: Confirm | None) -> asyncio.Future[Any]:
+        if confirm is not None:
+            self.confirm = self.confirm or confirm
+            self.confirmed.append(len(self.commands))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.commands.append(command)
+        self.resend.append(resend)
+        self.futures.append(future)
+        return future
 
 
 class Coalescer:
@@ -188,7 +209,7 @@ class Coalescer:
         self._connection: AbstractConnection = pool.connection_class(**kwargs)
         self._timeout = float(pool.connection_kwargs.get("socket_timeout") or SOCKET_TIMEOUT)
         self._busy = False
-        self._pending: list[tuple[Item, asyncio.Future[Any]]] = []
+        self._pending: _Batch | None = None
         self._flushing: set[asyncio.Task[None]] = set()
 
     async def call(
@@ -202,7 +223,13 @@ class Coalescer:
         ``resend``: safe to send again if its reply is lost (see the class). ``key``
         routes a command in a cluster (``ClusterCoalescer``); one node holds them all.
         With ``confirm``: its reply and the confirmation's (see the class)."""
-        reply = await self._submit([(command, resend, confirm)])
+        if self._busy:  # rides the next round trip; its error is raised from the future
+            return await self._later(command, resend, confirm)
+        self._busy = True
+        try:
+            (reply,) = await self._send([command], [resend], confirm, [0])
+        finally:
+            self._next()
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -212,51 +239,49 @@ class Coalescer:
     ) -> Any:
         """``ASKING`` then ``command``, next to each other in one round trip (a Cluster's
         migration under way: ``ClusterCoalescer``)."""
-        reply = await self._submit([(("ASKING",), True, None), (command, resend, confirm)])
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
-
-    async def _submit(self, items: list[Item]) -> Any:
-        """Send ``items`` next to each other, now or with the next batch; the last one's
-        reply (an error reply or a connection's error returned, not raised)."""
         if self._busy:
-            loop = asyncio.get_running_loop()
-            futures = [loop.create_future() for _ in items]
-            for future in futures[:-1]:  # the preamble's (ASKING) reply is not awaited
-                future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._pending += zip(items, futures, strict=True)
-            try:
-                return await futures[-1]
-            except (RedisError, OSError) as exc:
-                return exc
+            preamble = self._later(("ASKING",), True, None)  # its reply is not awaited
+            preamble.add_done_callback(lambda f: f.cancelled() or f.exception())
+            return await self._later(command, resend, confirm)
         self._busy = True
         try:
-            return (await self._send(items))[-1]
+            replies = await self._send([("ASKING",), command], [True, resend], confirm, [1])
         finally:
             self._next()
+        if isinstance(replies[-1], Exception):
+            raise replies[-1]
+        return replies[-1]
+
+    def _later(
+        self, command: Command, resend: bool, confirm: Confirm | None
+    ) -> asyncio.Future[Any]:
+        """The reply of ``command`` from the next round trip."""
+        if self._pending is None:
+            self._pending = _Batch()
+        return self._pending.add(command, resend, confirm)
 
     def _next(self) -> None:
-        if not self._pending:
+        batch = self._pending
+        if batch is None:
             self._busy = False
             return
-        batch, self._pending = self._pending, []
+        self._pending = None
         task = asyncio.get_running_loop().create_task(self._flush(batch))
         self._flushing.add(task)
         task.add_done_callback(self._flushing.discard)
 
-    async def _flush(self, batch: list[tuple[Item, asyncio.Future[Any]]]) -> None:
+    async def _flush(self, batch: _Batch) -> None:
         try:
-            replies = await self._send([item for item, _ in batch])
+            replies = await self._send(batch.commands, batch.resend, batch.confirm, batch.confirmed)
         except (RedisError, OSError) as exc:
-            replies = [exc] * len(batch)
+            replies = [exc] * len(batch.commands)
         except BaseException:  # cancelled (shutdown): nobody may wait forever
-            for _, future in batch:
+            for future in batch.futures:
                 future.cancel()
             raise
         finally:
             self._next()
-        for (_, future), reply in zip(batch, replies, strict=True):
+        for future, reply in zip(batch.futures, replies, strict=True):
             if future.done():
                 continue
             if isinstance(reply, Exception):
@@ -264,20 +289,24 @@ class Coalescer:
             else:
                 future.set_result(reply)
 
-    async def _send(self, items: list[Item]) -> list[Any]:
-        """One round trip for ``items``, and one confirmation after them if any asks for
-        one: each confirmed item's reply becomes (its reply, the confirmation's)."""
-        commands = [command for command, _, _ in items]
-        resend = [again for _, again, _ in items]
-        confirm = next((c for _, _, c in items if c is not None), None)
+    async def _send(
+        self,
+        commands: list[Command],
+        resend: list[bool],
+        confirm: Confirm | None,
+        confirmed: list[int],
+    ) -> list[Any]:
+        """One round trip for ``commands``, and one ``confirm`` after them if given: the
+        reply of each command in ``confirmed`` (their places) becomes (its reply, the
+        confirmation's)."""
         if confirm is None:
             return await self._round_trip(commands, resend)
         replies = await self._round_trip([*commands, confirm.command], [*resend, False], confirm)
         acks = replies.pop()
-        return [
-            reply if c is None or isinstance(reply, Exception) else (reply, acks)
-            for reply, (_, _, c) in zip(replies, items, strict=True)
-        ]
+        for i in confirmed:
+            if not isinstance(replies[i], Exception):
+                replies[i] = (replies[i], acks)
+        return replies
 
     async def _round_trip(
         self, commands: list[Command], resend: list[bool], confirm: Confirm | None = None
@@ -290,15 +319,18 @@ class Coalescer:
         (the last command) extends the deadline by as long as it may block.
         """
         packed = [hiredis.pack_command(command) for command in commands]
+        blocking = 0.0 if confirm is None else confirm.seconds
+        read, written, error = await self._attempt(packed, blocking)
+        if error is None:  # the common case: every reply read at the first attempt
+            return read
         replies: list[Any] = [None] * len(commands)
         todo = list(range(len(commands)))
-        blocking = 0.0 if confirm is None else confirm.seconds
-        for attempt in range(RETRIES + 1):
-            read, written, error = await self._attempt([packed[i] for i in todo], blocking)
+        attempt = 0
+        while True:
             for i, reply in zip(todo, read, strict=False):
                 replies[i] = reply
             if error is None:
-                break
+                return replies
             left, todo = todo[len(read) :], []
             for i in left:
                 if attempt < RETRIES and (not written or resend[i]):
@@ -306,8 +338,9 @@ class Coalescer:
                 else:
                     replies[i] = error
             if not todo:
-                break
-        return replies
+                return replies
+            attempt += 1
+            read, written, error = await self._attempt([packed[i] for i in todo], blocking)
 
     async def _attempt(
         self, packed: list[bytes], blocking: float = 0.0
@@ -327,7 +360,10 @@ class Coalescer:
                 written = True
                 await connection.send_packed_command(data, check_health=False)
                 for _ in packed:
-                    read.append(await _reply(connection))
+                    try:
+                        read.append(await connection.read_response())
+                    except ResponseError as exc:  # an error reply: its caller's
+                        read.append(exc)
         except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
             await connection.disconnect(nowait=True)
             if isinstance(exc, RedisError):
@@ -339,13 +375,6 @@ class Coalescer:
 
     async def close(self) -> None:
         await self._connection.disconnect()
-
-
-async def _reply(connection: AbstractConnection) -> Any:
-    try:
-        return await connection.read_response()
-    except ResponseError as exc:
-        return exc
 
 
 def _pool(url: str) -> ConnectionPool:
@@ -437,7 +466,10 @@ class RedisStore:
         keys = [record, slot, index]
         args = (key.name, fingerprint, owner, _ms(lock_ttl), _ms(result_ttl))
         flags = (int(reexecute_lapsed), member, int(replay))
-        reply, unconfirmed = await self._durable(_CLAIM, keys, *args, *flags)
+        if self._confirm is None:  # the hot path: one frame less per await
+            reply, unconfirmed = await self._script(_CLAIM, keys, *args, *flags), None
+        else:
+            reply, unconfirmed = await self._durable(_CLAIM, keys, *args, *flags)
         if reply[0] == 1:
             if unconfirmed is not None:
                 await self._unclaim(key, owner)
@@ -482,7 +514,13 @@ class RedisStore:
         fenced = successor or owner
         args = (owner, state.value, payload, _ms(result_ttl), fingerprint, member, replace, fenced)
         # sent again, a complete that must not replace an outcome would find its own
-        done, unconfirmed = await self._durable(_COMPLETE, keys, *args, resend=replace_outcome)
+        if self._confirm is None:  # the hot path: one frame less per await
+            done, unconfirmed = (
+                await self._script(_COMPLETE, keys, *args, resend=replace_outcome),
+                None,
+            )
+        else:
+            done, unconfirmed = await self._durable(_COMPLETE, keys, *args, resend=replace_outcome)
         if done and unconfirmed is not None:  # written again from the journal
             raise StoreUnavailable(f"redis store: the outcome was not confirmed ({unconfirmed})")
         return bool(done)
