@@ -133,10 +133,9 @@ class Handling(NamedTuple):
     guard: Guard | None
     chain: Chain | None
     jobs: RouteJobs | None
-    tokened: bool
-    """The route forwards a downstream token of its own."""
     plain: bool
-    """No policy and no token: an unguarded request is passed through as it comes."""
+    """No policy and no downstream token of its own: an unguarded request is passed
+    through as it comes."""
 
 
 async def read_body(request: Incoming, limit: int) -> bytes:
@@ -286,7 +285,6 @@ class Proxy:
             self.guards.get(route),
             chain,
             self.jobs.get(route),
-            tokened,
             chain is None and not tokened,
         )
 
