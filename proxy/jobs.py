@@ -54,7 +54,14 @@ from proxy.errors import (
     Unauthorized,
 )
 from proxy.fence import Fence
-from proxy.idempotency import OWNERS, Guard, Lease, Outcome, job_record_ttl
+from proxy.idempotency import (
+    OWNERS,
+    RECORD_PERSIST_SECONDS,
+    Guard,
+    Lease,
+    Outcome,
+    job_record_ttl,
+)
 from proxy.job_events import Hub
 from proxy.offload import ObjectRef, Offload
 from proxy.operation import Operation
@@ -75,6 +82,9 @@ JOB_OWNER = "job."
 IDLE_POLL_SECONDS = 0.25
 # Pause after the queue could not be read.
 QUEUE_RETRY_SECONDS = 1.0
+# How often a job's claim that its submitter could neither queue nor release is asked to
+# be released again (in the background, while the store is out of reach).
+UNCLAIM_RETRY_SECONDS = 1.0
 # Refusals no retry changes (the request itself is refused): the job ends DEAD at once.
 FINAL = (PreconditionFailed, PreconditionRequired, ResourceKeyMissing, Unauthorized)
 QUEUED = frozenset({JobState.QUEUED})
@@ -349,7 +359,11 @@ class RouteJobs:
         job_id = new_job_id(self.route.name)
         owner = JOB_OWNER + job_id
         for _ in range(2):
-            record = await self.guard.claim_job(op, owner, self.config.max_queued)
+            try:
+                record = await self.guard.claim_job(op, owner, self.config.max_queued)
+            except StoreUnavailable:  # the claim may be applied, its reply lost
+                self.tasks.spawn(self._unclaim_later(op, owner))
+                raise
             if record is None:
                 break
             existing = job_id_of(record.owner)
@@ -369,11 +383,40 @@ class RouteJobs:
         try:
             job = await self._keep_request(job_id, op, request, body, principal, identity)
         except BaseException:
-            await self.store.release(op.key, owner)
+            await self._unclaim(op, owner)
             raise
         self._wake.set()
         self.log.info("job_submitted", route=self.route.name, key=op.label, job=job.id)
         return job
+
+    async def _unclaim(self, op: Operation, owner: str) -> None:
+        """Release the key claimed for a job whose queueing failed: nothing was sent (a
+        worker that takes the job anyway, its queueing applied but not answered, finds the
+        key not its own and sends nothing). With the store out of reach, in the
+        background."""
+        try:
+            await self.store.release(op.key, owner)
+        except StoreUnavailable:
+            self.tasks.spawn(self._unclaim_later(op, owner))
+
+    async def _unclaim_later(self, op: Operation, owner: str) -> None:
+        """Ask the store to release ``owner``'s claim every UNCLAIM_RETRY_SECONDS, until it
+        releases it or has answered twice without it (a claim still in flight on a
+        dropped connection lands within one of its answers), for RECORD_PERSIST_SECONDS
+        at most: then a retry releases it (``_release_unqueued``)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(RECORD_PERSIST_SECONDS, self.config.max_queued)
+        answered = 0
+        while answered < 2 and loop.time() < until:
+            await asyncio.sleep(UNCLAIM_RETRY_SECONDS)
+            try:
+                released = await self.store.release(op.key, owner)
+            except StoreUnavailable:
+                continue
+            if released:
+                self.log.warning("job_claim_released_unqueued", route=self.route.name, key=op.label)
+                return
+            answered += 1
 
     async def _release_unqueued(self, op: Operation, record: Record) -> bool:
         """Release a key claimed for a job that was never queued (its submitter failed, or

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from proxy import jobs as jobs_module
 from proxy.auth.sealing import Sealer
 from proxy.cli import main as cli_main
 from proxy.config import parse_config
@@ -655,6 +656,51 @@ def test_a_key_claimed_for_a_job_that_was_never_queued_is_released_for_a_retry(
     wait_for(accepted, what="a retry to be accepted")
     assert {a.status_code for a in answers[:-1]} <= {409}
     assert until(proxy.url, answers[-1].headers["location"], "completed")["attempts"] == 1
+    assert tool.count(key) == 1
+
+
+def test_a_job_claim_whose_reply_was_lost_is_released_without_a_retry(
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store applies a job's claim and its reply is lost (the submitter answers
+    503), then refuses the release twice: the key is released in the background as soon
+    as the store answers, well before lock_ttl (30 s, past which only a retry would have
+    released it), and the retry runs the call once."""
+    claim, release = MemoryStore.claim, MemoryStore.release
+    lost: list[str] = []
+    releases: list[bool | None] = []
+
+    async def lossy_claim(
+        self: MemoryStore, key: Any, fingerprint: str, owner: str, *a: Any, **k: Any
+    ) -> Any:
+        claimed = await claim(self, key, fingerprint, owner, *a, **k)
+        if owner.startswith(JOB_OWNER) and not lost:
+            lost.append(owner)
+            raise StoreUnavailable("the reply was lost")
+        return claimed
+
+    async def failing_release(self: MemoryStore, key: Any, owner: str) -> bool:
+        if lost and owner == lost[0] and len(releases) < 2:
+            releases.append(None)
+            raise StoreUnavailable("still out of reach")
+        done = await release(self, key, owner)
+        if lost and owner == lost[0]:
+            releases.append(done)
+        return done
+
+    monkeypatch.setattr(jobs_module, "UNCLAIM_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(MemoryStore, "claim", lossy_claim)
+    monkeypatch.setattr(MemoryStore, "release", failing_release)
+    spec = _fault_route(tool.url)
+    spec["idempotency"]["lock_ttl"] = "30s"
+    proxy = make_proxy(spec)
+    key = new_key(BODY)
+    assert post(proxy.url, key=key, **ASYNC).status_code == 503
+    wait_for(lambda: True in releases, what="the lost claim to be released")
+    assert releases == [None, None, True]
+    retried = post(proxy.url, key=key, **ASYNC)
+    assert retried.status_code == 202
+    assert until(proxy.url, retried.headers["location"], "completed")["attempts"] == 1
     assert tool.count(key) == 1
 
 
