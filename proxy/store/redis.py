@@ -224,7 +224,7 @@ class Coalescer:
         routes a command in a cluster (``ClusterCoalescer``); one node holds them all.
         With ``confirm``: its reply and the confirmation's (see the class)."""
         if self._busy:  # rides the next round trip; its error is raised from the future
-            return await self._later(command, resend, confirm)
+            return await (self._pending or self._open()).add(command, resend, confirm)
         self._busy = True
         try:
             (reply,) = await self._send([command], [resend], confirm, [0])
@@ -256,9 +256,12 @@ class Coalescer:
         self, command: Command, resend: bool, confirm: Confirm | None
     ) -> asyncio.Future[Any]:
         """The reply of ``command`` from the next round trip."""
-        if self._pending is None:
-            self._pending = _Batch()
-        return self._pending.add(command, resend, confirm)
+        return (self._pending or self._open()).add(command, resend, confirm)
+
+    def _open(self) -> _Batch:
+        """The batch of the next round trip, new."""
+        self._pending = _Batch()
+        return self._pending
 
     def _next(self) -> None:
         batch = self._pending
@@ -746,11 +749,15 @@ def _translated(exc: ResponseError) -> StoreUnavailable:
     return kind(f"redis store: {message}")
 
 
+# A record's state as its hash keeps it (a dict look-up: a third of ``State(...)``'s cost).
+_STATES = {state.value.encode(): state for state in State}
+
+
 def _record(name: str, fields: list[Any], key: RecordKey) -> Record:
     try:
         state, fp, owner, payload, left, created, updated, replays = fields
         return Record(
-            State(state.decode()),
+            _STATES[state],
             fp.decode(),
             owner.decode(),
             max(left, 0) / 1000,
@@ -760,7 +767,7 @@ def _record(name: str, fields: list[Any], key: RecordKey) -> Record:
             int(updated or 0) / 1000,
             int(replays or 0),
         )
-    except (ValueError, AttributeError, TypeError) as exc:
+    except (KeyError, ValueError, AttributeError, TypeError) as exc:
         raise StoreError(f"redis store: malformed record at {name}") from exc
 
 
