@@ -89,6 +89,8 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.max_header_bytes = max_header_bytes
         self._head_bytes: int | None = None  # None: not inside a request head
+        self._chunk = 0  # the length of the chunk being parsed
+        self._first = 0  # the length of the chunk the request head began in
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -97,6 +99,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:  # answered, the connection is closing
             return
+        self._chunk = len(data)
         inside = self._head_bytes is not None
         super().data_received(data)
         if inside and self._head_bytes is not None and not self._refused:
@@ -107,10 +110,14 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
+        self._first = self._chunk
 
     def on_headers_complete(self) -> None:
+        # The head is within the chunk it began in, those wholly inside it and this one:
+        # its lines are counted only when that bound is over the limit (a large chunk).
+        bound = self._first + (self._head_bytes or 0) + self._chunk
         self._head_bytes = None
-        if self._head_size() > self.max_header_bytes:
+        if bound > self.max_header_bytes and self._head_size() > self.max_header_bytes:
             self._refuse(self._too_large())
             raise _Refused  # stops the parser; uvicorn then calls send_400_response
         if not self.url.startswith(b"/"):
