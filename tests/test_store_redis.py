@@ -170,6 +170,64 @@ async def test_a_settle_keeps_the_index_in_step(direct: RedisStore, redis_url: s
     assert [r.key for r in await direct.records(SCOPE)] == [step(2), step(3)]
 
 
+def score_over_expiry(url: str, key: RecordKey) -> float:
+    """Seconds by which the record's score in its scope's index is past its expiry."""
+    client = redis.Redis.from_url(url)
+    try:
+        score = client.zscore(index_key(SCOPE), f"{key.slot.rpartition('|')[2]}:{key.name}")
+        expires = client.pexpiretime(record_key(key))
+    finally:
+        client.close()
+    assert score is not None and expires > 0
+    return (float(score) - int(expires)) / 1000
+
+
+async def test_a_record_is_indexed_until_it_expires_and_not_much_longer(
+    direct: RedisStore, redis_url: str
+) -> None:
+    """A score before the record's expiry would drop it from listings while it lives;
+    one far past it would keep dead members. Within the lease, renewed, lapsed, or after
+    a long queued lease: the score is at or past the expiry, by at most result_ttl."""
+    # claimed as the guard does: the record's life is the lease plus result_ttl
+    await direct.claim(step(1), "fp", "o", 5, 65)
+    await direct.complete(step(1), "o", "fp", State.COMPLETED, b"x" * 200, 60)
+    assert 0 <= score_over_expiry(redis_url, step(1)) <= 60
+    # the lease lapsed before the outcome came: the complete moves the score
+    await direct.claim(step(2), "fp", "o", 0.05, 0.3)
+    await asyncio.sleep(0.1)
+    await direct.complete(step(2), "o", "fp", State.COMPLETED, b"x" * 200, 0.3)
+    assert 0 <= score_over_expiry(redis_url, step(2)) <= 0.3
+    # renewed past the claim's reckoning, then recorded within the new lease
+    await direct.claim(step(3), "fp", "o", 0.2, 0.3)
+    await asyncio.sleep(0.1)
+    assert await direct.renew(step(3), "o", 0.2, 0.5)
+    await direct.complete(step(3), "o", "fp", State.COMPLETED, b"x" * 200, 0.3)
+    assert 0 <= score_over_expiry(redis_url, step(3)) <= 0.3
+    # a job's key, queued for an hour, recorded with a minute to live
+    await direct.claim(step(4), "fp", "o", 3600, 3660)
+    await direct.complete(step(4), "o", "fp", State.COMPLETED, b"x" * 200, 60)
+    assert 0 <= score_over_expiry(redis_url, step(4)) <= 60
+
+
+async def test_a_call_recorded_within_its_lease_leaves_the_index_alone(
+    direct: RedisStore, redis_url: str
+) -> None:
+    """The hot path's index work: a new plan's first claim adds and dates its index (no
+    prune of an index just made), and its complete does not touch it."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.config_resetstat()
+        await direct.claim(step(1), "fp", "o", 5, 65)
+        await direct.complete(step(1), "o", "fp", State.COMPLETED, b"x" * 200, 60)
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    assert stats["cmdstat_zadd"]["calls"] == 1
+    assert "cmdstat_zremrangebyscore" not in stats
+    assert stats["cmdstat_pexpire"]["calls"] == 3  # the record twice, the new index once
+    assert [r.key for r in await direct.records(SCOPE)] == [step(1)]
+
+
 async def test_a_long_index_is_listed_page_by_page(direct: RedisStore, redis_url: str) -> None:
     await asyncio.gather(*(direct.claim(step(i), "fp", "o", 5, 60) for i in range(300)))
     client = redis.Redis.from_url(redis_url)

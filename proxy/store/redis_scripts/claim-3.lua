@@ -1,9 +1,13 @@
 -- KEYS: record, slot pointer, scope index. ARGV: name, fingerprint, owner, lock_ms,
--- result_ms, reexecute_lapsed (0/1), index member, replay (0/1). The index drops the
--- members whose record expired (their score passed) as a new one comes in; its own life
--- is extended twice as far as needed, so most claims skip that write. A finished record
--- handed back with the same fingerprint is a replay served: its rp goes up by one here.
+-- result_ms, reexecute_lapsed (0/1), index member, replay (0/1). The record's score in
+-- the index, also kept in the record as ix, is when the record expires unless a later
+-- script moves it (result_ms covers the lease: a complete within the lease leaves the
+-- index alone). The index drops the members whose score passed as a new one comes in
+-- (a new index has none); its own life is extended twice as far as needed, so most
+-- claims skip that write. A finished record handed back with the same fingerprint is a
+-- replay served: its rp goes up by one here.
 --- @include "now"
+--- @include "ms"
 local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut', 'rp')
 if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
   local served = ARGV[8] == '1' and r[2] == ARGV[2]
@@ -24,13 +28,13 @@ if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
   end
 end
 if r[1] then redis.call('HDEL', KEYS[1], 'pl', 'rp') end -- a fresh record has none
+local at, ix = ms(now), ms(now + ARGV[5])
 redis.call('HSET', KEYS[1], 'st', 'in_progress', 'fp', ARGV[2], 'ow', ARGV[3],
-  'lu', now + ARGV[4], 'ct', now, 'ut', now)
+  'lu', ms(now + ARGV[4]), 'ct', at, 'ut', at, 'ix', ix)
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-redis.call('ZADD', KEYS[3], now + ARGV[5], ARGV[7])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[5]) then
-  redis.call('PEXPIRE', KEYS[3], ARGV[5] * 2)
-end
+local ttl = redis.call('PTTL', KEYS[3])
+redis.call('ZADD', KEYS[3], ix, ARGV[7]) -- before the prune, which so never empties it
+if ttl ~= -2 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', at) end
+if ttl < tonumber(ARGV[5]) then redis.call('PEXPIRE', KEYS[3], ms(ARGV[5] * 2)) end
 local prev = redis.call('SET', KEYS[2], ARGV[1], 'GET', 'PX', ARGV[5])
 return {1, prev or ''}
