@@ -106,12 +106,6 @@ def test_a_short_seed_keeps_every_invariant(tmp_path: Path) -> None:
     assert not report.violations, lines
 
 
-@pytest.mark.skip(
-    reason="issue 20, 1.6: a Redis stop past the store client's timeout while an async call "
-    "is submitted can leave its key IN_PROGRESS, owned by a job that does not exist, for "
-    "max_queued (seed 11, 240 s --harsh). A race, so not a strict xfail: switch it on "
-    "once 1.6 is fixed"
-)
 @pytest.mark.timeout(600)
 def test_a_harsh_seed_keeps_every_invariant(tmp_path: Path) -> None:
     """Freezes and Redis pauses past lock_ttl and the store client's timeout, and Redis

@@ -15,11 +15,15 @@ them in one hash slot and the scripts stay legal there. Expiry is Redis's own.
 Keys::
 
     tp:{<slot>}:r:<name>   hash: st (state), fp (fingerprint), ow (owner), pl (payload),
-                           lu (lease's end), ct, ut (created, updated), rp (replays served)
+                           lu (lease's end), ct, ut (created, updated), rp (replays served),
+                           ix (its score in the scope's index)
     tp:{<slot>}:last       string: the last name claimed in the slot (to log replans)
     tp:{<scope>}:steps     sorted set: the scope's records (<step>:<name>), scored by
-                           their expiry (ms); a member leaves as its record is released,
-                           settled away or found gone, or at the next claim after it expired
+                           their expiry (ms) as claimed (the lease's end plus result_ttl,
+                           kept in the record as ix; moved only if the record outlives it,
+                           or would be outlived by more than result_ttl); a member leaves
+                           as its record is released, settled away or found gone, or at
+                           the next claim after its score passed
     tp:v:{<key>}           string: a shared value (an encrypted downstream token)
     tp:l:{<key>}           string: a short lock (who fetches a shared value)
     tp:{lim:<group>}:r:<key>  string: a GCRA bucket's tat (ms), expiring when it is full

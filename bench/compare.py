@@ -1,0 +1,151 @@
+"""bench/run's core grid for two checkouts, run alternately on one machine.
+
+    PYTHONPATH=. .venv/bin/python bench/compare.py /path/to/other/checkout [--rounds 4]
+
+Each round starts nginx (the upstream and the hop), a private Redis and one ``tool-proxy
+serve`` per checkout in turn (this checkout first), and measures the nginx hop,
+pass-through, first executions and replays at 1 and 32 callers with wrk. It prints each
+run's req/s over the same run's nginx hop, then per scenario: the median of those ratios
+for each checkout, the median of the pairwise ratios (this / other, higher is faster),
+and the CPU per request of the proxy process and of Redis (the least seen).
+
+A shared 2-core machine moves a single run by 10 to 20%, so read the medians of many
+rounds. The other checkout runs from its own source with this checkout's virtualenv
+(``PYTHONPATH``), so it needs no install of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from proxy.keys import composite_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as grid  # bench/run.py: its processes and wrk
+
+SCENARIOS = ("passthrough", "first-exec", "replay")
+CALLERS = (1, 32)
+
+
+@dataclass(frozen=True)
+class Sample:
+    rps: float
+    proxy_us: float
+    """CPU of the proxy process per request (user and system)."""
+    redis_us: float
+
+
+def process_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu(client: redis.Redis) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def start_proxy(stack: ExitStack, work: Path, checkout: Path, port: int, config: Path) -> int:
+    """``tool-proxy serve`` from ``checkout``'s source, one worker; its pid."""
+    argv = [sys.executable, "-c", "from proxy.cli import main; main()", "serve"]
+    argv += ["--config", str(config), "--port", str(port), "--workers", "1"]
+    os.environ["PYTHONPATH"] = str(checkout)
+    try:
+        ready = grid.urls_ok(f"http://127.0.0.1:{port}/_proxy/readyz")
+        return stack.enter_context(grid.service("proxy", argv, work, ready)).pid
+    finally:
+        del os.environ["PYTHONPATH"]
+
+
+def one_run(checkout: Path, seconds: int) -> dict[str, Sample]:
+    """The grid once against ``checkout``, keyed ``<scenario>@<callers>``."""
+    out: dict[str, Sample] = {}
+    with tempfile.TemporaryDirectory(prefix="tool-proxy-compare-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        ports = {name: grid.free_port() for name in ("upstream", "hop", "proxy", "redis")}
+        grid.write_big_bodies(work)
+        grid.start_nginx(stack, work, ports["upstream"], ports["hop"])
+        store = grid.start_redis(stack, work, ports["redis"])
+        config = grid.write_proxy_config(work, ports, offload=False)
+        pid = start_proxy(stack, work, checkout, ports["proxy"], config)
+        args_hash = composite_key("bench", 1, grid.BODY.encode()).rsplit(":", 1)[1]
+        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        replay_key = grid.fixed_key("replay", args_hash)
+        grid.prime(f"{proxy}/tool", replay_key)
+        scenarios = {
+            "nginx-hop": grid.Scenario("nginx-hop", f"http://127.0.0.1:{ports['hop']}/tool"),
+            "passthrough": grid.Scenario("passthrough", f"{proxy}/pass"),
+            "first-exec": grid.Scenario("first-exec", f"{proxy}/tool", "unique", "b"),
+            "replay": grid.Scenario("replay", f"{proxy}/tool", "fixed", replay_key),
+        }
+        for callers in CALLERS:
+            for name, scenario in scenarios.items():
+                key_args = scenario.wrk_args(args_hash)
+                grid.wrk(scenario.url, callers, grid.WARMUP_SECONDS, key_args)
+                time.sleep(grid.SETTLE_SECONDS)
+                cpu, redis_before = process_cpu(pid), redis_cpu(store)
+                data = grid.wrk(scenario.url, callers, seconds, scenario.wrk_args(args_hash))
+                requests = max(data["requests"], 1)
+                out[f"{name}@{callers}"] = Sample(
+                    rps=requests / (data["duration_us"] / 1e6),
+                    proxy_us=(process_cpu(pid) - cpu) / requests * 1e6,
+                    redis_us=(redis_cpu(store) - redis_before) / requests * 1e6,
+                )
+    return out
+
+
+def least_cpu(samples: list[Sample]) -> str:
+    proxy, store = min(s.proxy_us for s in samples), min(s.redis_us for s in samples)
+    return f"{proxy:.0f} + {store:.0f}"
+
+
+def report(runs: dict[str, list[dict[str, Sample]]]) -> list[str]:
+    this, other = runs
+    lines = [
+        f"scenario         {this:>10} {other:>10}  this/other  CPU µs per request "
+        "(proxy + Redis, least seen)"
+    ]
+    for callers in CALLERS:
+        for name in SCENARIOS:
+            key, hop = f"{name}@{callers}", f"nginx-hop@{callers}"
+            ratios = {n: [r[key].rps / r[hop].rps for r in rs] for n, rs in runs.items()}
+            pairs = [a / b for a, b in zip(ratios[this], ratios[other], strict=True)]
+            cpu = {n: least_cpu([r[key] for r in rs]) for n, rs in runs.items()}
+            lines.append(
+                f"{key:16} {statistics.median(ratios[this]):10.4f} "
+                f"{statistics.median(ratios[other]):10.4f}  {statistics.median(pairs):10.3f}  "
+                f"{cpu[this]} against {cpu[other]}"
+            )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("other", type=Path, help="the other checkout (e.g. a git worktree)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=int, default=5, help="per measurement (5)")
+    args = parser.parse_args()
+    checkouts = {"this": grid.ROOT, "other": args.other.resolve()}
+    runs: dict[str, list[dict[str, Sample]]] = {name: [] for name in checkouts}
+    for n in range(args.rounds):
+        for name, checkout in checkouts.items():
+            runs[name].append(one_run(checkout, args.seconds))
+            first_exec = runs[name][-1]["first-exec@32"].rps / runs[name][-1]["nginx-hop@32"].rps
+            print(f"round {n + 1}/{args.rounds} {name}: first-exec@32 {first_exec:.4f} of the hop")
+    print(f"load average at the end: {os.getloadavg()}")
+    print("\n".join(report(runs)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
