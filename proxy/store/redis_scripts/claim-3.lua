@@ -5,20 +5,20 @@
 -- index alone). The index drops the members whose score passed as a new one comes in
 -- (a new index has none); its own life is extended twice as far as needed, so most
 -- claims skip that write. A finished record handed back with the same fingerprint is a
--- replay served: its rp goes up by one here.
---- @include "now"
+-- replay served: its rp goes up by one here (the server's clock is not read for it).
 --- @include "ms"
 local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ow', 'pl', 'lu', 'ct', 'ut', 'rp')
-if r[1] and (r[3] ~= ARGV[3] or r[1] ~= 'in_progress') then
-  local served = ARGV[8] == '1' and r[2] == ARGV[2]
-  if r[1] ~= 'in_progress' then
-    local rp = r[8] or 0
-    if served then -- counted if the store takes writes: a full or fenced one still replays
-      local counted = redis.pcall('HINCRBY', KEYS[1], 'rp', 1)
-      if type(counted) == 'number' then rp = counted end
-    end
-    return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7], rp}
+local served = ARGV[8] == '1' and r[2] == ARGV[2]
+if r[1] and r[1] ~= 'in_progress' then -- a finished record: no clock needed
+  local rp = r[8] or 0
+  if served then -- counted if the store takes writes: a full or fenced one still replays
+    local counted = redis.pcall('HINCRBY', KEYS[1], 'rp', 1)
+    if type(counted) == 'number' then rp = counted end
   end
+  return {0, r[1], r[2], r[3], r[4] or '', redis.call('PTTL', KEYS[1]), r[6], r[7], rp}
+end
+--- @include "now"
+if r[1] and r[3] ~= ARGV[3] then -- in progress, another owner's
   local left = tonumber(r[5] or 0) - now
   if left > 0 then return {0, r[1], r[2], r[3], '', left, r[6], r[7], r[8] or 0} end
   if ARGV[6] == '0' then
