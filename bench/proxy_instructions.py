@@ -1,5 +1,5 @@
 """How many instructions a serving proxy runs per request, counted by callgrind: the same
-count from run to run (within about 2%), where its CPU time on a shared machine moves by
+count from run to run (within about 3%), where its CPU time on a shared machine moves by
 10 to 20%.
 
     PYTHONPATH=. .venv/bin/python bench/proxy_instructions.py [/path/to/other/checkout ...]
