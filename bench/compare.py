@@ -55,16 +55,37 @@ def redis_cpu(client: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def start_proxy(stack: ExitStack, work: Path, checkout: Path, port: int, config: Path) -> int:
-    """``tool-proxy serve`` from ``checkout``'s source, one worker; its pid."""
-    argv = [sys.executable, "-c", "from proxy.cli import main; main()", "serve"]
+def start_tool_and_store(stack: ExitStack, work: Path) -> tuple[dict[str, int], redis.Redis, Path]:
+    """bench/run's set-up without the proxy: nginx (the tool and the hop) and a private
+    Redis; the ports, the Redis client and the proxy's configuration."""
+    ports = {name: grid.free_port() for name in ("upstream", "hop", "proxy", "redis")}
+    grid.write_big_bodies(work)
+    grid.start_nginx(stack, work, ports["upstream"], ports["hop"])
+    store = grid.start_redis(stack, work, ports["redis"])
+    return ports, store, grid.write_proxy_config(work, ports, offload=False)
+
+
+def start_proxy(
+    stack: ExitStack,
+    work: Path,
+    checkout: Path,
+    port: int,
+    config: Path,
+    wrapper: tuple[str, ...] = (),
+    start_seconds: float = grid.START_TIMEOUT,
+) -> int:
+    """``tool-proxy serve`` from ``checkout``'s source, one worker, run under ``wrapper``
+    (e.g. valgrind) if given, ready within ``start_seconds``; its pid."""
+    argv = [*wrapper, sys.executable, "-c", "from proxy.cli import main; main()", "serve"]
     argv += ["--config", str(config), "--port", str(port), "--workers", "1"]
     os.environ["PYTHONPATH"] = str(checkout)
+    started, grid.START_TIMEOUT = grid.START_TIMEOUT, start_seconds
     try:
         ready = grid.urls_ok(f"http://127.0.0.1:{port}/_proxy/readyz")
         return stack.enter_context(grid.service("proxy", argv, work, ready)).pid
     finally:
         del os.environ["PYTHONPATH"]
+        grid.START_TIMEOUT = started
 
 
 def one_run(checkout: Path, seconds: int) -> dict[str, Sample]:
@@ -72,11 +93,7 @@ def one_run(checkout: Path, seconds: int) -> dict[str, Sample]:
     out: dict[str, Sample] = {}
     with tempfile.TemporaryDirectory(prefix="tool-proxy-compare-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        ports = {name: grid.free_port() for name in ("upstream", "hop", "proxy", "redis")}
-        grid.write_big_bodies(work)
-        grid.start_nginx(stack, work, ports["upstream"], ports["hop"])
-        store = grid.start_redis(stack, work, ports["redis"])
-        config = grid.write_proxy_config(work, ports, offload=False)
+        ports, store, config = start_tool_and_store(stack, work)
         pid = start_proxy(stack, work, checkout, ports["proxy"], config)
         args_hash = composite_key("bench", 1, grid.BODY.encode()).rsplit(":", 1)[1]
         proxy = f"http://127.0.0.1:{ports['proxy']}"

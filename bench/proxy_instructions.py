@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import secrets
 import shutil
 import sys
@@ -34,6 +33,7 @@ from proxy.keys import composite_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as grid  # bench/run.py: its processes
+from compare import start_proxy, start_tool_and_store
 from redis_scripts import SUMMARY, callgrind_control
 
 SCENARIOS = ("passthrough", "first-exec", "replay")
@@ -72,31 +72,18 @@ def count(checkout: Path, scenario: str, requests: int) -> float:
     """Instructions of ``checkout``'s serving proxy per request of ``scenario``."""
     with tempfile.TemporaryDirectory(prefix="tool-proxy-ir-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        ports = {name: grid.free_port() for name in ("upstream", "hop", "proxy", "redis")}
-        grid.write_big_bodies(work)
-        grid.start_nginx(stack, work, ports["upstream"], ports["hop"])
-        grid.start_redis(stack, work, ports["redis"])
-        config = grid.write_proxy_config(work, ports, offload=False)
+        ports, _, config = start_tool_and_store(stack, work)
         out = work / "callgrind.out"
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-        argv += ["-c", "from proxy.cli import main; main()", "serve", "--config", str(config)]
-        argv += ["--port", str(ports["proxy"]), "--workers", "1"]
-        ready = grid.urls_ok(f"http://127.0.0.1:{ports['proxy']}/_proxy/readyz")
-        os.environ["PYTHONPATH"] = str(checkout)
-        started, grid.START_TIMEOUT = grid.START_TIMEOUT, START_SECONDS
-        try:
-            proxy = stack.enter_context(grid.service("proxy", argv, work, ready))
-        finally:
-            del os.environ["PYTHONPATH"]
-            grid.START_TIMEOUT = started
+        wrapper = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}")
+        pid = start_proxy(stack, work, checkout, ports["proxy"], config, wrapper, START_SECONDS)
         path = "/pass" if scenario == "passthrough" else "/tool"
         url = f"http://127.0.0.1:{ports['proxy']}{path}"
         tag = secrets.token_hex(4)
         asyncio.run(send_all(url, keys_for(scenario, 1, tag)))  # a replay's key, recorded
         asyncio.run(send_all(url, keys_for(scenario, WARM_UP, f"{tag}w")))
-        callgrind_control("-z", proxy.pid)
+        callgrind_control("-z", pid)
         asyncio.run(send_all(url, keys_for(scenario, requests, f"{tag}m")))
-        callgrind_control("-d", proxy.pid)
+        callgrind_control("-d", pid)
         time.sleep(0.5)
         dumps = sorted(work.glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:]))
         found = SUMMARY.search(dumps[-1].read_text()) if dumps else None

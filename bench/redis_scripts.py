@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import ROOT, free_port
 
 # Run in the checkout's own source: its store, its scripts, its argument lists. It says
 # "ready" once set up, and starts the counted calls when a line comes on its stdin.
@@ -57,12 +58,6 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 """
 PHASES = {"first execution": "first", "replay": "replay"}
 SUMMARY = re.compile(r"^summary: (\d+)$", re.MULTILINE)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(port: int, proc: subprocess.Popen[bytes], seconds: float = 60.0) -> None:
