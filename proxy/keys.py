@@ -177,7 +177,7 @@ def canonical_body(body: bytes, canonicalization: Canonicalization, max_depth: i
     ``InvalidJSONBody`` if it does not parse or nests deeper than ``max_depth`` (None:
     no limit but Python's own), ``DuplicateJSONMember`` if an object repeats a name.
     """
-    if b"\x00" in body:  # NUL: UTF-16/32, not UTF-8
+    if body.find(b"\x00") != -1:  # NUL: UTF-16/32, not UTF-8 (find: see routes.check_path)
         body = _utf8(body)
     if max_depth is not None and len(body) > 2 * max_depth:  # shorter: cannot be deeper
         _check_depth(body, max_depth)

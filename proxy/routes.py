@@ -23,7 +23,11 @@ def check_path(path: str, raw_path: bytes) -> None:
     """Raise ``InvalidPath`` for paths that could escape a route's prefix."""
     if not path.startswith("/"):
         raise InvalidPath("the request target must be an absolute path (origin-form)")
-    if (b"%" in raw_path or b"\\" in raw_path) and any(s in raw_path for s in _ENCODED_SEPARATORS):
+    # find() and not ``in``: CPython 3.11 tries a bytes operand of ``in`` as an integer
+    # first and formats the TypeError it drops (several times the cost of the search)
+    if (raw_path.find(b"%") != -1 or raw_path.find(b"\\") != -1) and any(
+        s in raw_path for s in _ENCODED_SEPARATORS
+    ):
         raise InvalidPath("encoded '/' or '\\' are not allowed in the path")
     if "/." in path and any(seg in (".", "..") for seg in path.split("/")):
         raise InvalidPath("dot segments ('.', '..') are not allowed in the path")
