@@ -204,6 +204,7 @@ class Lease:
     """One claim held by a call in this process; ``stop`` ends its renewals."""
 
     __slots__ = (
+        "_clock",
         "_leases",
         "lookup",
         "lost",
@@ -215,8 +216,14 @@ class Lease:
         "valid_until",
     )
 
-    def __init__(self, leases: Leases, op: Operation, owner: str) -> None:
+    def __init__(
+        self, leases: Leases, op: Operation, owner: str, clock: Callable[[], float]
+    ) -> None:
         self._leases = leases
+        self._clock = clock
+        """The loop's clock (``loop.time``), kept: on CPython 3.11 every
+        ``asyncio.get_running_loop()`` is a ``getpid`` system call, and the fence reads it
+        on every send."""
         self.op = op
         self.owner = owner
         self.stopped = False
@@ -242,7 +249,7 @@ class Lease:
                 "to be sent (its lease lapsed): it was not sent; a retry replays the other "
                 "attempt's outcome"
             )
-        left = self.valid_until - asyncio.get_running_loop().time()
+        left = self.valid_until - self._clock()
         if left <= 0:
             self._leases.lapsed(self, "lapsed")
             raise LeaseLost(
@@ -273,14 +280,23 @@ class Leases:
         self._held: set[Lease] = set()
         self._timer: asyncio.TimerHandle | None = None
 
-    def hold(self, op: Operation, owner: str, claimed_at: float | None = None) -> Lease:
-        """A lease on a claim sent at ``claimed_at`` (the loop's clock; default now)."""
-        lease = Lease(self, op, owner)
-        sent = asyncio.get_running_loop().time() if claimed_at is None else claimed_at
+    def hold(
+        self,
+        op: Operation,
+        owner: str,
+        claimed_at: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Lease:
+        """A lease on a claim sent at ``claimed_at`` (the loop's clock; default now), on
+        ``loop`` (default: the running one)."""
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        lease = Lease(self, op, owner, loop.time)
+        sent = loop.time() if claimed_at is None else claimed_at
         lease.valid_until = sent + self._guard.policy.lock_ttl * LEASE_SAFETY
         self._held.add(lease)
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._interval, self._tick)
+            self._timer = loop.call_later(self._interval, self._tick)
         return lease
 
     def drop(self, lease: Lease) -> None:
@@ -416,7 +432,7 @@ class Guard:
             self.log.info(
                 "replanned", route=self.route.name, key=op.label, previous_args_hash=claim.previous
             )
-        lease = self._leases.hold(op, owner, started)
+        lease = self._leases.hold(op, owner, started, loop)
         lease.lookup = lookup
         return lease
 
