@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python bench/compare.py /path/to/other/checkout [--rounds 4]
 
 Each round starts nginx (the upstream and the hop), a private Redis and one ``tool-proxy
-serve`` per checkout in turn (this checkout first), and measures the nginx hop,
+serve`` per checkout in turn (this checkout first in odd rounds, the other in even ones:
+a drift of the machine's load favours neither), and measures the nginx hop,
 pass-through, first executions and replays at 1 and 32 callers with wrk. It prints each
 run's req/s over the same run's nginx hop, then per scenario: the median of those ratios
 for each checkout, the median of the pairwise ratios (this / other, higher is faster),
@@ -155,7 +156,8 @@ def main() -> int:
     checkouts = {"this": grid.ROOT, "other": args.other.resolve()}
     runs: dict[str, list[dict[str, Sample]]] = {name: [] for name in checkouts}
     for n in range(args.rounds):
-        for name, checkout in checkouts.items():
+        order = list(checkouts.items())
+        for name, checkout in order if n % 2 == 0 else reversed(order):  # ABBA: drift cancels
             runs[name].append(one_run(checkout, args.seconds))
             first_exec = runs[name][-1]["first-exec@32"].rps / runs[name][-1]["nginx-hop@32"].rps
             print(f"round {n + 1}/{args.rounds} {name}: first-exec@32 {first_exec:.4f} of the hop")
