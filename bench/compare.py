@@ -11,7 +11,10 @@ for each checkout, the median of the pairwise ratios (this / other, higher is fa
 and the CPU per request of the proxy process and of Redis (the least seen).
 
 A shared 2-core machine moves a single run by 10 to 20%, so read the medians of many
-rounds. The other checkout runs from its own source with this checkout's virtualenv
+rounds. ``--pin`` puts the proxy alone on the second CPU and everything else on the
+first: what then differs is the proxy's own speed, not what Redis's or nginx's work
+takes from the proxy's core (the 1-caller hops are not comparable with unpinned runs).
+The other checkout runs from its own source with this checkout's virtualenv
 (``PYTHONPATH``), so it needs no install of its own.
 """
 
@@ -89,13 +92,22 @@ def start_proxy(
         grid.START_TIMEOUT = started
 
 
-def one_run(checkout: Path, seconds: int) -> dict[str, Sample]:
-    """The grid once against ``checkout``, keyed ``<scenario>@<callers>``."""
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` onto ``cpu`` alone."""
+    for thread in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(thread.name), {cpu})
+
+
+def one_run(checkout: Path, seconds: int, pinned: bool = False) -> dict[str, Sample]:
+    """The grid once against ``checkout``, keyed ``<scenario>@<callers>``; ``pinned``: the
+    proxy alone on the second CPU (``--pin``)."""
     out: dict[str, Sample] = {}
     with tempfile.TemporaryDirectory(prefix="tool-proxy-compare-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         ports, store, config = start_tool_and_store(stack, work)
         pid = start_proxy(stack, work, checkout, ports["proxy"], config)
+        if pinned:
+            pin(pid, 1)
         args_hash = composite_key("bench", 1, grid.BODY.encode()).rsplit(":", 1)[1]
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         replay_key = grid.fixed_key("replay", args_hash)
@@ -152,13 +164,23 @@ def main() -> int:
     parser.add_argument("other", type=Path, help="the other checkout (e.g. a git worktree)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=int, default=5, help="per measurement (5)")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the proxy alone on CPU 1, wrk, nginx and Redis on CPU 0: the proxy's own "
+        "speed, apart from what the processes beside it take from its core",
+    )
     args = parser.parse_args()
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error("--pin needs two CPUs")
+        os.sched_setaffinity(0, {0})  # inherited by nginx, Redis and wrk
     checkouts = {"this": grid.ROOT, "other": args.other.resolve()}
     runs: dict[str, list[dict[str, Sample]]] = {name: [] for name in checkouts}
     for n in range(args.rounds):
         order = list(checkouts.items())
         for name, checkout in order if n % 2 == 0 else reversed(order):  # ABBA: drift cancels
-            runs[name].append(one_run(checkout, args.seconds))
+            runs[name].append(one_run(checkout, args.seconds, args.pin))
             first_exec = runs[name][-1]["first-exec@32"].rps / runs[name][-1]["nginx-hop@32"].rps
             print(f"round {n + 1}/{args.rounds} {name}: first-exec@32 {first_exec:.4f} of the hop")
     print(f"load average at the end: {os.getloadavg()}")
