@@ -1238,7 +1238,7 @@ class RedisQueue:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis store: {type(exc).__name__}: {exc}") from exc
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
 
 
 def _token() -> str:
