@@ -98,16 +98,16 @@ def pin(pid: int, cpu: int) -> None:
         os.sched_setaffinity(int(thread.name), {cpu})
 
 
-def one_run(checkout: Path, seconds: int, pinned: bool = False) -> dict[str, Sample]:
-    """The grid once against ``checkout``, keyed ``<scenario>@<callers>``; ``pinned``: the
-    proxy alone on the second CPU (``--pin``)."""
+def one_run(checkout: Path, seconds: int, proxy_cpu: int | None = None) -> dict[str, Sample]:
+    """The grid once against ``checkout``, keyed ``<scenario>@<callers>``; with
+    ``proxy_cpu``, the proxy runs on that CPU alone (``--pin``)."""
     out: dict[str, Sample] = {}
     with tempfile.TemporaryDirectory(prefix="tool-proxy-compare-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         ports, store, config = start_tool_and_store(stack, work)
         pid = start_proxy(stack, work, checkout, ports["proxy"], config)
-        if pinned:
-            pin(pid, 1)
+        if proxy_cpu is not None:
+            pin(pid, proxy_cpu)
         args_hash = composite_key("bench", 1, grid.BODY.encode()).rsplit(":", 1)[1]
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         replay_key = grid.fixed_key("replay", args_hash)
@@ -167,20 +167,23 @@ def main() -> int:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="the proxy alone on CPU 1, wrk, nginx and Redis on CPU 0: the proxy's own "
-        "speed, apart from what the processes beside it take from its core",
+        help="the proxy alone on one CPU, wrk, nginx and Redis on another: the proxy's "
+        "own speed, apart from what the processes beside it take from its core",
     )
     args = parser.parse_args()
+    proxy_cpu = None
     if args.pin:
-        if len(os.sched_getaffinity(0)) < 2:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
             parser.error("--pin needs two CPUs")
-        os.sched_setaffinity(0, {0})  # inherited by nginx, Redis and wrk
+        os.sched_setaffinity(0, {cpus[0]})  # inherited by nginx, Redis and wrk
+        proxy_cpu = cpus[1]
     checkouts = {"this": grid.ROOT, "other": args.other.resolve()}
     runs: dict[str, list[dict[str, Sample]]] = {name: [] for name in checkouts}
     for n in range(args.rounds):
         order = list(checkouts.items())
         for name, checkout in order if n % 2 == 0 else reversed(order):  # ABBA: drift cancels
-            runs[name].append(one_run(checkout, args.seconds, args.pin))
+            runs[name].append(one_run(checkout, args.seconds, proxy_cpu))
             first_exec = runs[name][-1]["first-exec@32"].rps / runs[name][-1]["nginx-hop@32"].rps
             print(f"round {n + 1}/{args.rounds} {name}: first-exec@32 {first_exec:.4f} of the hop")
     print(f"load average at the end: {os.getloadavg()}")
