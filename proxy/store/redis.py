@@ -53,11 +53,11 @@ import hiredis
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from proxy.errors import StoreError, StoreRefused, StoreUnavailable
 from proxy.store.base import Claim, Durability, Record, RecordKey, State
