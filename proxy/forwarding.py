@@ -192,17 +192,26 @@ def _translated() -> Iterator[None]:
         ) from exc
 
 
-@functools.lru_cache(maxsize=64)
 def _timeout(seconds: float, connect_within: float | None = None) -> aiohttp.ClientTimeout:
     """``total`` bounds the whole exchange; ``connect`` bounds getting a connection (a free
     one from the pool, or DNS and a new one) and ends strictly first, so running out of
     time before anything was sent is a ``ConnectionTimeoutError`` (the key is released)
     and never a plain timeout (FAILED). No rounding up to whole seconds, which could make
     the two end together. ``connect_within`` bounds getting a connection further (a
-    guarded call's lease: what is left of it)."""
-    connect = min(seconds * CONNECT_SHARE, CONNECT_TIMEOUT)
-    if connect_within is not None:
-        connect = min(connect, connect_within)
+    guarded call's lease: what is left of it); it is a new number on every call, so it
+    takes part only when it binds, and the usual timeout is the cached one."""
+    if connect_within is not None and connect_within < _connect(seconds):
+        return _timeouts(seconds, connect_within)
+    return _timeouts(seconds, None)
+
+
+def _connect(seconds: float) -> float:
+    return min(seconds * CONNECT_SHARE, CONNECT_TIMEOUT)
+
+
+@functools.lru_cache(maxsize=64)
+def _timeouts(seconds: float, connect_within: float | None) -> aiohttp.ClientTimeout:
+    connect = _connect(seconds) if connect_within is None else connect_within
     return aiohttp.ClientTimeout(
         total=seconds, connect=connect, sock_connect=connect, ceil_threshold=math.inf
     )

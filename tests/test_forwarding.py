@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from multidict import CIMultiDict
 
+from proxy import forwarding
 from proxy.forwarding import request_headers, response_headers
 from proxy.outcome import StoredResponse
 from proxy.replay import REPLAYED_HEADER, reply
@@ -88,3 +89,15 @@ def test_stored_responses_round_trip_without_set_cookie() -> None:
     assert REPLAYED_HEADER in response.raw_headers
     assert (b"content-length", b"6") in response.raw_headers
     assert [v for k, v in response.raw_headers if k == b"X-A"] == [b"1", b"2"]
+
+
+def test_a_lease_bounds_the_connect_timeout_only_when_it_binds() -> None:
+    usual = forwarding._timeout(30.0)
+    assert usual.total == 30.0
+    assert usual.connect == usual.sock_connect == forwarding.CONNECT_TIMEOUT
+    # A lease with more left than the usual connect timeout: the same (cached) timeout.
+    assert forwarding._timeout(30.0, 299.123) is usual
+    short = forwarding._timeout(30.0, 1.5)
+    assert (short.total, short.connect, short.sock_connect) == (30.0, 1.5, 1.5)
+    tiny_route = forwarding._timeout(1.0, 5.0)
+    assert tiny_route.connect == 1.0 * forwarding.CONNECT_SHARE
