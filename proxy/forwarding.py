@@ -199,10 +199,11 @@ def _timeout(seconds: float, connect_within: float | None = None) -> aiohttp.Cli
     and never a plain timeout (FAILED). No rounding up to whole seconds, which could make
     the two end together. ``connect_within`` bounds getting a connection further (a
     guarded call's lease: what is left of it); it is a new number on every call, so it
-    takes part only when it binds, and the usual timeout is the cached one."""
+    takes part only when it binds (a timeout of its own, never cached), and the usual
+    timeout is the cached one."""
     if connect_within is not None and connect_within < _connect(seconds):
-        return _timeouts(seconds, connect_within)
-    return _timeouts(seconds, None)
+        return _new_timeout(seconds, connect_within)
+    return _usual_timeout(seconds)
 
 
 def _connect(seconds: float) -> float:
@@ -210,8 +211,11 @@ def _connect(seconds: float) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _timeouts(seconds: float, connect_within: float | None) -> aiohttp.ClientTimeout:
-    connect = _connect(seconds) if connect_within is None else connect_within
+def _usual_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    return _new_timeout(seconds, _connect(seconds))
+
+
+def _new_timeout(seconds: float, connect: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(
         total=seconds, connect=connect, sock_connect=connect, ceil_threshold=math.inf
     )

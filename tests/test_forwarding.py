@@ -97,7 +97,12 @@ def test_a_lease_bounds_the_connect_timeout_only_when_it_binds() -> None:
     assert usual.connect == usual.sock_connect == forwarding.CONNECT_TIMEOUT
     # A lease with more left than the usual connect timeout: the same (cached) timeout.
     assert forwarding._timeout(30.0, 299.123) is usual
+    cached = forwarding._usual_timeout.cache_info().currsize
     short = forwarding._timeout(30.0, 1.5)
     assert (short.total, short.connect, short.sock_connect) == (30.0, 1.5, 1.5)
+    # A lease that binds gets a timeout of its own: its time left never repeats, so it
+    # would only push the usual timeouts out of the cache.
+    assert forwarding._timeout(30.0, 1.5) is not short
+    assert forwarding._usual_timeout.cache_info().currsize == cached
     tiny_route = forwarding._timeout(1.0, 5.0)
     assert tiny_route.connect == 1.0 * forwarding.CONNECT_SHARE
