@@ -50,6 +50,8 @@ class McpTool:
         self.gate.set()
         self.finished: defaultdict[str, threading.Event] = defaultdict(threading.Event)
         """Set once ``charge`` of an account has counted."""
+        self.notifications: list[str] = []
+        """The method of every JSON-RPC notification the server received, in order."""
         self.json_response = json_response
         server = FastMCP(
             "billing",
@@ -143,7 +145,7 @@ class McpTool:
             return _header(ctx, "authorization")
 
         self.tools = [tool.name for tool in server._tool_manager.list_tools()]
-        self.server = ThreadServer(server.streamable_http_app())
+        self.server = ThreadServer(_Noting(server.streamable_http_app(), self.notifications))
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -189,6 +191,37 @@ class Confirmation(BaseModel):
     """What ``close`` asks the client for."""
 
     sure: bool
+
+
+class _Noting:
+    """ASGI middleware: notes the method of each JSON-RPC notification POSTed to ``app``
+    (the SDK's session handles some, such as ``notifications/cancelled``, without a hook)."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], seen: list[str]):
+        self.app, self.seen = app, seen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+
+        async def teed() -> Any:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self._note(b"".join(chunks))
+            return message
+
+        await self.app(scope, teed, send)
+
+    def _note(self, body: bytes) -> None:
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(message, dict) and "method" in message and "id" not in message:
+            self.seen.append(str(message["method"]))
 
 
 def _header(ctx: Context, name: str) -> str:  # type: ignore[type-arg]

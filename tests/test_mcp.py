@@ -512,17 +512,28 @@ def test_a_message_that_repeats_a_member_name_is_refused_and_not_sent(
     assert mcp_tool.executions[who] == 0
 
 
-def test_a_cancellation_of_another_request_is_forwarded(
-    make_proxy: ProxyFactory, mcp_tool: McpTool
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_cancellation_is_answered_here_on_a_guarded_route_and_forwarded_elsewhere(
+    make_proxy: ProxyFactory, mcp_tool: McpTool, guarded: bool
 ) -> None:
-    proxy = through(make_proxy, mcp_tool)
+    """On a route that guards calls the cancelled call runs on (and is recorded, for the
+    retry): the proxy answers the notification and keeps it from the server; a route
+    that guards nothing passes it through."""
+    route = mcp_route(mcp_tool.url)
+    if not guarded:
+        del route["idempotency"]
+    proxy = make_proxy(route)
+    before = len(mcp_tool.notifications)
     with httpx.Client(timeout=10) as http:
         raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
         note = {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 77}}
         answer = raw.post(note)
         gone = http.delete(proxy.url + "/mcp", headers=raw.headers)
-    assert answer.status_code == 202  # the server's own answer to a notification
+    assert answer.status_code == 202
     assert gone.status_code == 200
+    noted = mcp_tool.notifications[before:]
+    assert "notifications/initialized" in noted  # the server's notifications are seen
+    assert ("notifications/cancelled" in noted) is not guarded
 
 
 @pytest.mark.parametrize(

@@ -160,11 +160,18 @@ def test_local_backends(
     url = f"file://{tmp_path}/objects" if backend == "file" else "memory://"
     if backend == "file":
         (tmp_path / "objects").mkdir()
-    proxy = make_proxy(route(tool.url), offload={"url": url, "threshold_bytes": 100})
+    store_url = f"sqlite://{tmp_path}/state.db"
+    offload = {"url": url, "threshold_bytes": 100}
+    proxy = make_proxy(route(tool.url), store=store_url, offload=offload)
     key = new_key(BODY)
     first = call(f"{proxy.url}/tools/big?size=200000", key)
     replay = call(f"{proxy.url}/tools/big?size=200000", key)
     assert first.content == replay.content == expected(200000)
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert tool.count(key) == 1
+    payload = stored_payload(store_url, key)
+    assert len(payload) < 1024  # only the pointer is in the store
+    assert hashlib.sha256(expected(200000)).hexdigest().encode() in payload
     if backend == "file":
         files = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
         assert len(files) == 1 and files[0].read_bytes() == expected(200000)
