@@ -190,12 +190,16 @@ def proxies(state_dir: Path) -> tuple[ProxyFactory, Callable[[], None]]:
         store: str = "memory://",
         port: int | None = None,
         store_options: dict[str, Any] | None = None,
+        clock: Clock | None = None,
         **top: Any,
     ) -> ThreadServer:
+        """``clock``: a memory store on it (rates, pauses and leases move when it does)."""
         top.setdefault("state_dir", str(state_dir))
         stored = {"url": store, "sealing_key_env": SEALING_ENV, **(store_options or {})}
         config = parse_config({"store": stored, "routes": list(routes), **top}, env={})
-        server = ThreadServer(create_app(config), port=port, proxy_protocol=True).start()
+        on_clock = None if clock is None else MemoryStore(clock)
+        app = create_app(config, store=on_clock)
+        server = ThreadServer(app, port=port, proxy_protocol=True).start()
         started.append(server)
         return server
 

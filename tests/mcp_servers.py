@@ -202,7 +202,8 @@ class _Noting:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         chunks: list[bytes] = []
 
         async def teed() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -12,7 +13,6 @@ import httpx
 import pytest
 import yaml
 
-from proxy.keys import composite_key
 from tests.servers import ROOT, free_port
 
 
@@ -130,14 +130,20 @@ def test_check_config_on_unreadable_or_broken_files(tmp_path: Path) -> None:
 
 
 def test_key_prints_the_composite_key() -> None:
-    body = b'{"b": 1, "a": "x"}'
-    result = cli("key", "--plan", "plan-7", "--step", "3", stdin=body)
+    """Checked against the shared test vectors (what every client computes), not against
+    the function the command calls."""
+    vectors = json.loads((ROOT / "clients" / "test-vectors" / "keys.json").read_text())
+    vector = vectors["vectors"][0]
+    body = json.dumps(dict(reversed(vector["arguments"].items())), indent=2).encode()
+    result = cli("key", "--plan", vector["plan"], "--step", str(vector["step"]), stdin=body)
     assert result.returncode == 0
-    assert result.stdout.strip() == composite_key("plan-7", 3, json.loads(body))
+    assert result.stdout.strip() == vector["key"]
+    body = b'{"b": 1, "a": "x"}'
     python = cli(
         "key", "--plan", "p", "--step", "1", "--canonicalization", "python-json", stdin=body
     )
-    assert python.stdout.strip() == composite_key("p", 1, body, "python-json")
+    args_hash = hashlib.sha256(b'{"a":"x","b":1}').hexdigest()  # sorted, no spaces
+    assert python.stdout.strip() == f"p:1:{args_hash}"
 
 
 def test_key_names_the_bad_field() -> None:

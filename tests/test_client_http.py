@@ -271,10 +271,17 @@ def test_server_sent_events_are_parsed_with_their_ids() -> None:
     assert parser.last_id == "2"
 
 
-def test_the_sync_client_takes_an_httpx_client() -> None:
+def test_the_sync_client_takes_an_httpx_client(
+    tool: CountingTool, make_proxy: ProxyFactory
+) -> None:
+    """Its calls go through the client given (its headers reach the tool)."""
+    proxy = make_proxy(route(tool.url))
     http = httpx.Client(headers={"Authorization": "Bearer t"})
-    with ToolProxy("http://127.0.0.1:1/", http=http) as client:
-        assert client.base_url == "http://127.0.0.1:1" and client.http is http
+    with ToolProxy(proxy.url + "/", http=http) as client:
+        assert client.base_url == proxy.url
+        answer = client.call(plan().step(1), "/tools/charge", ARGS)
+    assert answer.status_code == 200
+    assert tool.requests[-1]["headers"]["authorization"] == "Bearer t"
 
 
 class CuttingRelay:

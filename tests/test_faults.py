@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis as redis_client
 
+from proxy import idempotency
 from tests.conftest import ProxyFactory, new_key, route
 from tests.servers import CountingTool, ProxyProcess, RedisServer, free_port, wait_for
 
@@ -44,8 +46,9 @@ def test_store_down_from_the_start_fails_closed_and_recovers(
 
 
 def test_outcome_is_recorded_after_the_store_comes_back(
-    tool: CountingTool, make_proxy: ProxyFactory
+    tool: CountingTool, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(idempotency, "RECORD_RETRY_SECONDS", 0.05)  # the proxy is in process
     redis = RedisServer(free_port()).start()
     proxy = make_proxy(route(tool.url, lock_ttl="10s"), store=redis.url)
     key = new_key(BODY)
@@ -58,12 +61,17 @@ def test_outcome_is_recorded_after_the_store_comes_back(
                 headers={"Idempotency-Key": key},
                 timeout=30,
             )
-            time.sleep(0.3)
+            wait_for(lambda: tool.arrived[key] == 1, what="the call at the tool")
             redis.stop()  # the store goes away while the tool works
             answer = first.result()
         assert answer.status_code == 200  # the caller still gets the real answer
         redis.start()  # Redis comes back (empty: it keeps nothing on disk here)
-        time.sleep(1.5)  # the proxy retries recording every 0.5 s
+        client = redis_client.Redis.from_url(redis.url)
+        wait_for(  # the proxy asks again while the lease lasts (not a request: it would run)
+            lambda: any(client.hget(k, "st") == b"completed" for k in client.keys("tp:*:r:*")),
+            what="the outcome recorded",
+        )
+        client.close()
         replay = httpx.post(
             f"{proxy.url}/tools/a?delay=1", json=BODY, headers={"Idempotency-Key": key}, timeout=30
         )

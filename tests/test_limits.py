@@ -21,7 +21,7 @@ import redis
 from proxy.config import parse_config
 from proxy.errors import ConfigError
 from proxy.policies.limits import pause_seconds
-from tests.conftest import ProxyFactory, new_key, route
+from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import (
     CountingTool,
@@ -88,7 +88,8 @@ def test_a_burst_of_five_passes_with_ratelimit_fields_and_the_sixth_is_refused(
 def test_replays_and_duplicates_take_no_quota_and_a_refused_key_is_released(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
-    proxy = make_proxy(limited(tool.url, {**RPM, "burst": 2}))
+    clock = Clock()
+    proxy = make_proxy(limited(tool.url, {**RPM, "burst": 2}), clock=clock)
     key = new_key(BODY)
     url = proxy.url + "/tools/llm"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -103,7 +104,7 @@ def test_replays_and_duplicates_take_no_quota_and_a_refused_key_is_released(
     assert call(proxy.url).status_code == 200  # the second unit of the burst
     other = new_key({"n": 2})
     assert_limited(post(url, {"n": 2}, other), 1)
-    time.sleep(1.05)
+    clock.now += 1.05  # the store's clock: a unit comes back
     assert post(url, {"n": 2}, other).status_code == 200  # released: it executes now
     assert tool.count(other) == 1
 
@@ -206,17 +207,20 @@ def test_pause_seconds_from_the_tools_headers() -> None:
 def test_a_tool_429_pauses_the_route_and_nothing_reaches_the_tool_meanwhile(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:
-    proxy = make_proxy(limited(tool.url, guarded=False))  # limits: [] follows the tool only
+    clock = Clock()  # limits: [] follows the tool only
+    proxy = make_proxy(limited(tool.url, guarded=False), clock=clock)
     url = proxy.url + "/tools/llm"
     assert post(url + "?status=429&retry_after=1").status_code == 429
     paused = post(url)
     assert_limited(paused, 1)
     assert "pause" in paused.json()["detail"]
     assert tool.total == 1
-    time.sleep(1.05)
+    clock.now += 0.9
+    assert_limited(post(url), 1)  # still paused
+    clock.now += 0.15
     assert post(url).status_code == 200
     metrics = httpx.get(proxy.url + "/_proxy/metrics").text
-    assert 'tool_proxy_limit_decisions_total{decision="paused",limit="",route="tool"} 1.0' in (
+    assert 'tool_proxy_limit_decisions_total{decision="paused",limit="",route="tool"} 2.0' in (
         metrics
     )
 

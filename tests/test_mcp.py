@@ -305,16 +305,28 @@ def test_annotations_learnt_by_one_replica_guard_calls_on_another(
 
 
 def test_guarded_tools_may_be_named(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:
+    """Only the named tool is guarded: it needs a key and runs once under it; the others
+    pass through without one."""
     proxy = through(make_proxy, mcp_tool, guard=["refund"], required=True)
     who = account()
+    key = new_key({"account": who})
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[McpError, Any, Any]:
         async with session(proxy.url + "/mcp") as client:
             await client.call_tool("charge", {"account": who, "cents": 1})
             await client.call_tool("charge", {"account": who, "cents": 1})
+            with pytest.raises(McpError) as keyless:
+                await client.call_tool("refund", {"account": who})
+            meta = {"idempotencyKey": key}
+            first = await client.call_tool("refund", {"account": who}, meta=meta)
+            again = await client.call_tool("refund", {"account": who}, meta=meta)
+            return keyless.value, first, again
 
-    asyncio.run(scenario())
+    keyless, first, again = asyncio.run(scenario())
     assert mcp_tool.executions[who] == 2
+    assert keyless.error.code == mcp.KEY_MISSING
+    assert first.isError and again == first
+    assert mcp_tool.executions[f"refund:{who}"] == 1
 
 
 def test_a_replay_has_the_new_id_and_is_marked(make_proxy: ProxyFactory, mcp_tool: McpTool) -> None:

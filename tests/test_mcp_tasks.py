@@ -165,13 +165,16 @@ def test_another_servers_task_id_passes_through(
 ) -> None:
     proxy = through(make_proxy, mcp_tool)
 
-    async def scenario() -> McpError:
-        async with session(proxy.url + "/mcp") as client:
+    async def scenario(url: str) -> McpError:
+        async with session(url) as client:
             with pytest.raises(McpError) as unknown:
                 await client.experimental.get_task("not-a-task-of-the-proxy")
             return unknown.value
 
-    assert asyncio.run(scenario()).error.code != mcp.REFUSED  # the server's own answer
+    through_proxy = asyncio.run(scenario(proxy.url + "/mcp")).error
+    direct = asyncio.run(scenario(mcp_tool.url + "/mcp")).error  # the server's own answer
+    assert through_proxy.code != mcp.REFUSED
+    assert (through_proxy.code, through_proxy.message) == (direct.code, direct.message)
 
 
 def test_a_client_without_tasks_follows_the_job_and_its_retry_the_same_job(

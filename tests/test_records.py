@@ -90,6 +90,7 @@ async def test_pages_cover_every_record_once_across_scan_pages(store: Store) -> 
             page = await records.list_records(store, where, 60, page.cursor)
             seen += [r.key for r in page.records if r.key]
             pages += 1
+        assert len(seen) == len(set(seen)), where  # no record on two pages
         assert set(seen) == expected, where
         assert pages >= -(-len(expected) // 60)  # at least ceil(n / limit)
 

@@ -13,8 +13,9 @@ import re
 import tomllib
 
 import pytest
+import redis
 
-from proxy.store.redis_scripts import DIRECTORY, SCRIPTS, load
+from proxy.store.redis_scripts import DIRECTORY, SCRIPTS
 
 # Commands whose key is not their first argument: where it is (None: they take none).
 _KEY_AT = {"TIME": None, "PUBLISH": None, "XGROUP": 2, "XINFO": 2}
@@ -108,11 +109,20 @@ for _, key in ipairs(KEYS) do redis.call('DEL', key) end
     assert undeclared_keys(passed) == ["k"]
 
 
-def test_the_scripts_are_loaded_once_with_their_includes() -> None:
-    for path in DIRECTORY.glob("*.lua"):
-        script = load(path)
+def test_the_scripts_are_loaded_with_their_includes_under_redis_own_sha(redis_url: str) -> None:
+    """Every file is a script, its includes' text in place of their lines, and EVALSHA
+    names it by the SHA-1 that Redis gives its source."""
+    client = redis.Redis.from_url(redis_url)
+    paths = sorted(DIRECTORY.glob("*.lua"))
+    assert sorted(SCRIPTS) == sorted(path.stem.rpartition("-")[0] for path in paths)
+    for path in paths:
+        script = SCRIPTS[path.stem.rpartition("-")[0]]
         assert "@include" not in script.source
-        assert SCRIPTS[script.name] == script
+        for piece in re.findall(r'^--- @include "([a-z_]+)"$', path.read_text(), re.MULTILINE):
+            included = (DIRECTORY / "includes" / f"{piece}.lua").read_text().rstrip("\n")
+            assert included.splitlines()[-1] in script.source, (path.name, piece)
+        assert client.script_load(script.source) == script.sha, path.name
+    client.close()
 
 
 def test_the_scripts_are_package_data() -> None:
