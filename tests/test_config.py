@@ -15,6 +15,7 @@ from proxy.config import (
     load_config,
     parse_config,
     parse_duration,
+    parse_wait,
 )
 from proxy.errors import ConfigError
 
@@ -40,11 +41,43 @@ def test_durations(text: object, seconds: float) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "5", "5 parsecs", "-1s", "0s", 0, True, None, "1w", float("nan"), float("inf")],
+    [
+        "",
+        "5",
+        "5 parsecs",
+        "-1s",
+        "0s",
+        0,
+        True,
+        None,
+        "1w",
+        float("nan"),
+        float("inf"),
+        pytest.param(10**400, id="10**400"),
+    ],
 )
 def test_bad_durations(text: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_a_wait_may_be_zero_but_not_negative() -> None:
+    assert parse_wait(0) == parse_wait("0s") == parse_wait(-0.0) == 0
+    assert parse_wait("250ms") == 0.25
+    with pytest.raises(ValueError, match="a wait must be zero or more"):
+        parse_wait(-1)
+    with pytest.raises(ValueError, match="finite"):
+        parse_wait(10**400)
+
+
+def test_a_huge_number_of_seconds_in_yaml_is_not_a_duration(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    huge = "1" + "0" * 400
+    path.write_text(
+        f"routes:\n  - {{name: r, path_prefix: /r, upstream: http://h, timeout: {huge}}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"routes\[0\]\.timeout: a duration must be a finite"):
+        load_config(path, env={})
 
 
 def test_defaults() -> None:
