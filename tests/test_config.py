@@ -167,3 +167,61 @@ def test_input_limits_have_defaults_and_bounds() -> None:
     fields = " ".join(caught.value.problems)
     assert "limits.max_json_depth" in fields
     assert "limits.max_header_bytes" in fields
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - name: a\n"
+        "    path_prefix: /a\n"
+        "    upstream: http://h:1\n"
+        "    upstream: http://h:2\n"
+        "    idempotency: {lock_ttl: 5s, lock_ttl: 6s}\n"
+        "routes:\n"
+        "  - {name: b, path_prefix: /b, upstream: http://h}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env={})
+    assert caught.value.problems == [
+        f"{path}: line 5: duplicate key 'upstream' (first on line 4): "
+        "YAML would keep only the last; write it once",
+        f"{path}: line 6: duplicate key 'lock_ttl' (first on line 6): "
+        "YAML would keep only the last; write it once",
+        f"{path}: line 7: duplicate key 'routes' (first on line 1): "
+        "YAML would keep only the last; write it once",
+    ]
+
+
+def test_merge_keys_still_work_and_may_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - &a {name: a, path_prefix: /a, upstream: http://h, timeout: 5s}\n"
+        "  - &b {<<: *a, name: b, path_prefix: /b, timeout: 7s, idempotency: {}}\n"
+        "  - {<<: *b, name: c, path_prefix: /c}\n"
+        "  - <<: [*a]\n"
+        "    name: d\n"
+        "    path_prefix: /d\n"
+    )
+    routes = load_config(path, env={}).routes
+    assert [(r.name, r.path_prefix, r.timeout) for r in routes] == [
+        ("a", "/a", 5.0),
+        ("b", "/b", 7.0),
+        ("c", "/c", 7.0),
+        ("d", "/d", 5.0),
+    ]
+    assert [r.idempotency is not None for r in routes] == [False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [("1" + "0" * 5000, "int"), ("2024-13-45", "timestamp"), ("!!float x", "float")],
+)
+def test_a_value_yaml_cannot_read_is_named_with_its_line(
+    tmp_path: Path, value: str, kind: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"routes:\n  - name: {value}\n")
+    with pytest.raises(ConfigError, match=rf"(?s)not valid YAML: not a valid {kind}: .*line 2"):
+        load_config(path, env={})

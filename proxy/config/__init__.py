@@ -423,8 +423,58 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from None
+    loader = _Loader(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    finally:
+        loader.dispose()
+    if loader.problems:
+        raise ConfigError(
+            [f"{path}: line {line}: {problem}" for line, problem in sorted(loader.problems)]
+        )
     return parse_config(data, env=env)
+
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but a key given twice in one mapping is a problem (YAML
+    would keep the last and drop the first unseen), and a value YAML cannot construct (an
+    int of 5000 digits, a month 13) is a YAML error at its line, not a ValueError.
+    Merge keys (``<<: *anchor``) still work: the keys they bring may be given again."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.problems: list[tuple[int, str]] = []  # (line, problem)
+        self._checked: set[yaml.MappingNode] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if node not in self._checked:  # once, and before merging puts the merged keys in
+            self._checked.add(node)
+            first: dict[tuple[str, str], int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE:
+                    continue
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in first:
+                    self.problems.append(
+                        (
+                            line,
+                            f"duplicate key {key_node.value!r} (first on line {first[key]}): "
+                            "YAML would keep only the last; write it once",
+                        )
+                    )
+                else:
+                    first[key] = line
+        super().flatten_mapping(node)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a valid {node.tag.rpartition(':')[2]}: {exc}", node.start_mark
+            ) from None
