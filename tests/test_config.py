@@ -225,3 +225,48 @@ def test_a_value_yaml_cannot_read_is_named_with_its_line(
     path.write_text(f"routes:\n  - name: {value}\n")
     with pytest.raises(ConfigError, match=rf"(?s)not valid YAML: not a valid {kind}: .*line 2"):
         load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://h:abc/0", "Port could not be cast to integer value as 'abc'"),
+        ("redis://h:70000/0", "Port out of range"),
+        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis+cluster://[::1:1", "Invalid IPv6 URL"),
+        ("redis+cluster://h:1,h:70000", "Port out of range"),
+        ("redis://localhost/0?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+        ("redis://localhost/0?sockettimeout=1", "unknown query parameter 'sockettimeout'"),
+        ("redis+sentinel://s:26379/m?bogus=1", "unknown query parameter 'bogus'"),
+        ("rediss://h/0?ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag"),
+        ("redis://localhost/abc", r"the path is the database's number \(/0\), not /abc"),
+        ("sqlite:///tmp/y.db?synchronous=bogus", "synchronous must be one of full, normal"),
+        ("sqlite:///tmp/y.db?synchronus=normal", "unknown query parameter 'synchronus'"),
+        ("sqlite://?synchronous=normal", "needs a file path"),
+        ("postgresql://u@h:notaport/db", "Port could not be cast to integer value as 'notaport'"),
+        ("postgresql://h1:5432,h2:x/db", "Port could not be cast to integer value as 'x'"),
+        ("postgres://[::1/db", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_store_url_its_store_cannot_use_is_named(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^store\.url: .*{problem}"):
+        parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost",
+        "redis://localhost:6379/",
+        "rediss://u:p@h:6380/15?socket_timeout=5&ssl_cert_reqs=none",
+        "redis://[::1]:6379/2?db=3",
+        "redis+cluster://a:1,[::1]:2?socket_timeout=1",
+        "rediss+sentinel://:pw@s:26379,t:26380/mymaster",
+        "sqlite:///var/lib/x.db?synchronous=normal",
+        "sqlite://relative.db",
+        "postgresql://u@h1:5432,h2:5433/db?sslmode=require",
+        "postgres://db/tp",
+    ],
+)
+def test_store_urls_their_stores_can_use_pass(url: str) -> None:
+    assert parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={}).store.url == url
