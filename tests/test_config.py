@@ -142,6 +142,16 @@ def test_missing_routes_and_non_mapping() -> None:
         parse_config({}, env={})
     with pytest.raises(ConfigError, match="must be a mapping"):
         parse_config(["routes"], env={})
+    with pytest.raises(ConfigError, match=r"^\(top level\): the configuration is empty$"):
+        parse_config(None, env={})
+
+
+@pytest.mark.parametrize("text", ["", "# routes: to come\n", "---\n"])
+def test_an_empty_file_is_said_to_be_empty(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"c\.yaml: the file is empty"):
+        load_config(path, env={})
 
 
 def test_environment_overrides(tmp_path: Path) -> None:
@@ -270,3 +280,21 @@ def test_a_store_url_its_store_cannot_use_is_named(url: str, problem: str) -> No
 )
 def test_store_urls_their_stores_can_use_pass(url: str) -> None:
     assert parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={}).store.url == url
+
+
+def test_a_field_is_named_without_pydantic_tags_or_a_spurious_too_short() -> None:
+    mcp = {**ROUTE, "name": "m", "path_prefix": "/m", "protocol": "mcp", "mcp": {"guard": 5}}
+    cost = {"name": "l", "rate": "1/1s", "cost": {"request": [1]}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": [{**ROUTE, "limits": [cost], "str": 1}, mcp]}, env={})
+    assert caught.value.problems == [
+        "routes[0].limits[0].cost.request: Input should be a valid number",
+        "routes[0].limits[0].cost.request: Input should be a valid string",
+        "routes[0].str: unknown key",
+        "routes[1].mcp.guard: Input should be 'all' or 'annotated'",
+        "routes[1].mcp.guard: Input should be a valid tuple",
+    ]
+    with pytest.raises(ConfigError, match=r"^routes: Tuple should have at least 1 item"):
+        parse_config({"routes": []}, env={})  # a list that is too short is still said to be
+    with pytest.raises(ConfigError, match=r"^store: must be a mapping of its keys, not list$"):
+        parse_config({"routes": [ROUTE], "store": [1]}, env={})

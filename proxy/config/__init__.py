@@ -14,13 +14,16 @@ its loading, and every name of the sections, so ``from proxy.config import X`` w
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from proxy.config.auth import (
     DEFAULT_ALGORITHMS,
@@ -374,14 +377,15 @@ class Config(Strict):
         return self
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
+def _location(loc: tuple[int | str, ...], unknown_key: bool = False) -> str:
+    """``routes[0].idempotency.lock_ttl``: the keys of the file, without the tags pydantic
+    adds for a union's members (``float``, ``str-enum[McpGuard]``, ``function-after[...]``);
+    ``unknown_key``: the last part is a key no model has (kept)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith("function-") or "[" in part:
-            continue
-        else:
+        elif part in _keys(Config) or (unknown_key and i == len(loc) - 1):
             out += f".{part}" if out else part
     return out or "(top level)"
 
@@ -392,11 +396,56 @@ def _message(error: Any) -> str:
         return "unknown key"
     if kind == "missing":
         return "required"
+    if kind == "model_type":  # not "a valid dictionary or instance of StoreConfig"
+        return f"must be a mapping of its keys, not {type(error['input']).__name__}"
     return msg.removeprefix("Value error, ")
+
+
+def _reported_elsewhere(error: Any) -> bool:
+    """A list pydantic finds too short only because items failed (each reported)."""
+    if error["type"] != "too_short":
+        return False
+    try:
+        return len(error["input"]) >= int(error["ctx"]["min_length"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _model_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key the file gives them (``async``, not ``async_``)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
+def _section(field: FieldInfo) -> tuple[type[BaseModel], bool] | None:
+    """The model of a section-valued field (a mapping, or a list of mappings: True)."""
+    annotation = field.annotation
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            return None
+        annotation = members[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    item = get_args(annotation)[0] if get_origin(annotation) is tuple else None
+    if isinstance(item, type) and issubclass(item, BaseModel):
+        return item, True
+    return None
+
+
+@functools.cache  # (`cache` here is the submodule proxy.config.cache)
+def _keys(model: type[BaseModel]) -> frozenset[str]:
+    """Every key of ``model`` and of its sections, at any depth."""
+    keys = set(_model_fields(model))
+    for field in model.model_fields.values():
+        if (section := _section(field)) is not None:
+            keys |= _keys(section[0])
+    return frozenset(keys)
 
 
 def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     """Validate parsed YAML; raise ``ConfigError`` listing every problem."""
+    if data is None:
+        raise ConfigError(["(top level): the configuration is empty"])
     if not isinstance(data, dict):
         raise ConfigError(["(top level): the configuration must be a mapping"])
     environ = os.environ if env is None else env
@@ -407,9 +456,16 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     if host := environ.get(ENV_HOST):
         data = {**data, "server": {**(data.get("server") or {}), "host": host}}
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([f"{_location(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+        problems: list[str] = []
+        for error in exc.errors():
+            location = _location(error["loc"], error["type"] == "extra_forbidden")
+            if _reported_elsewhere(error):
+                continue
+            problems.append(f"{location}: {_message(error)}")
+        raise ConfigError(problems) from None
+    return config
 
 
 def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Config:
@@ -434,6 +490,8 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         raise ConfigError(
             [f"{path}: line {line}: {problem}" for line, problem in sorted(loader.problems)]
         )
+    if data is None:
+        raise ConfigError([f"{path}: the file is empty (a configuration needs routes at least)"])
     return parse_config(data, env=env)
 
 
