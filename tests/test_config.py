@@ -163,7 +163,7 @@ def test_environment_overrides(tmp_path: Path) -> None:
     assert load_config(env=env).store.url == "redis://cache:6379/1"
     with pytest.raises(ConfigError, match="no configuration"):
         load_config(env={})
-    with pytest.raises(ConfigError, match=r"store\.url"):
+    with pytest.raises(ConfigError, match=r"^store\.url \(from TOOL_PROXY_STORE_URL\): must be"):
         load_config(path, env={ENV_STORE_URL: "mysql://x"})  # postgres:// is a store now
 
 
@@ -298,3 +298,21 @@ def test_a_field_is_named_without_pydantic_tags_or_a_spurious_too_short() -> Non
         parse_config({"routes": []}, env={})  # a list that is too short is still said to be
     with pytest.raises(ConfigError, match=r"^store: must be a mapping of its keys, not list$"):
         parse_config({"routes": [ROUTE], "store": [1]}, env={})
+
+
+@pytest.mark.parametrize("store", ["[1]", "memory"])
+def test_an_override_of_a_section_that_is_not_a_mapping_is_an_error(
+    tmp_path: Path, store: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"store: {store}\nserver: [1]\nroutes:\n  - {{name: r, path_prefix: /r, upstream: http://h}}\n"
+    )
+    env = {ENV_STORE_URL: "memory://", "TOOL_PROXY_HOST": "0.0.0.0"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    kind = "list" if store == "[1]" else "str"
+    assert caught.value.problems == [
+        f"store: must be a mapping of its keys, not {kind}",
+        "server: must be a mapping of its keys, not list",
+    ]

@@ -377,6 +377,10 @@ class Config(Strict):
         return self
 
 
+# The variables that replace a value of the file, by the value's location.
+_ENV_VALUES = {"store.url": ENV_STORE_URL, "state_dir": ENV_STATE_DIR, "server.host": ENV_HOST}
+
+
 def _location(loc: tuple[int | str, ...], unknown_key: bool = False) -> str:
     """``routes[0].idempotency.lock_ttl``: the keys of the file, without the tags pydantic
     adds for a union's members (``float``, ``str-enum[McpGuard]``, ``function-after[...]``);
@@ -449,12 +453,19 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(["(top level): the configuration must be a mapping"])
     environ = os.environ if env is None else env
-    if store_url := environ.get(ENV_STORE_URL):
-        data = {**data, "store": {**(data.get("store") or {}), "url": store_url}}
-    if state_dir := environ.get(ENV_STATE_DIR):
-        data = {**data, "state_dir": state_dir}
-    if host := environ.get(ENV_HOST):
-        data = {**data, "server": {**(data.get("server") or {}), "host": host}}
+    replaced: dict[str, str] = {}  # location: the variable its value is from
+    for location, variable in _ENV_VALUES.items():
+        value = environ.get(variable)
+        if not value:
+            continue
+        section, _, key = location.rpartition(".")
+        if not section:
+            data = {**data, key: value}
+        elif isinstance(found := data.get(section) or {}, dict):  # else: reported as it is
+            data = {**data, section: {**found, key: value}}
+        else:
+            continue
+        replaced[location] = variable
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
@@ -463,6 +474,8 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
             location = _location(error["loc"], error["type"] == "extra_forbidden")
             if _reported_elsewhere(error):
                 continue
+            if location in replaced:
+                location += f" (from {replaced[location]})"
             problems.append(f"{location}: {_message(error)}")
         raise ConfigError(problems) from None
     return config
