@@ -282,6 +282,50 @@ def test_store_urls_their_stores_can_use_pass(url: str) -> None:
     assert parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={}).store.url == url
 
 
+def test_a_section_given_empty_is_refused_not_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "store:\n"
+        "auth:\n"
+        "  issuers: [{issuer: https://idp, jwks_url: https://idp/keys, audiences: [x]}]\n"
+        "admin:\n"
+        "routes:\n"
+        "  - name: a\n"
+        "    path_prefix: /a\n"
+        "    upstream: http://h\n"
+        "    auth:\n"
+        "      # required: true\n"
+        "    idempotency:\n"
+        "      # lock_ttl: 5s\n"
+        "    limits:\n"
+        "    timeout: soon\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env={ENV_STORE_URL: "memory://"})
+    assert caught.value.problems == [
+        "store: empty; write {} for the defaults, or remove it",
+        "admin: empty; give its keys, or remove it",  # {} is no admin section either
+        "routes[0].auth: empty; write {} for the defaults, or remove it",
+        "routes[0].idempotency: empty; write {} for the defaults, or remove it",
+        "routes[0].limits: empty; write [] for an empty list, or remove it",
+        "routes[0].timeout: not a duration: 'soon' (use a number of seconds or 250ms, 5s, 2m)",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": None, "auth": {"issuers": None}}, env={})
+    assert caught.value.problems == [
+        "routes: empty; at least one entry is needed",
+        "auth.issuers: empty; at least one entry is needed",
+    ]
+    issuer = {"issuer": "i", "discovery": True, "audiences": ["x"]}
+    written = {
+        "store": {},
+        "auth": {"issuers": [issuer]},
+        "routes": [{**ROUTE, "auth": {}, "idempotency": {}, "limits": []}],
+    }
+    route = parse_config(written, env={}).routes[0]
+    assert route.auth is not None and route.idempotency is not None and route.limits == ()
+
+
 def test_a_field_is_named_without_pydantic_tags_or_a_spurious_too_short() -> None:
     mcp = {**ROUTE, "name": "m", "path_prefix": "/m", "protocol": "mcp", "mcp": {"guard": 5}}
     cost = {"name": "l", "rate": "1/1s", "cost": {"request": [1]}}

@@ -1,7 +1,8 @@
 """The YAML configuration: validated models, defaults, and every problem reported at once.
 
-Unknown keys are errors. Durations are seconds (a number) or a string with a unit:
-``250ms``, ``5s``, ``2m``, ``24h``, ``7d``.
+Unknown keys are errors, and so are a key given twice in one mapping and a section given
+empty (``idempotency:`` with its keys commented out: YAML's null). Durations are seconds
+(a number) or a string with a unit: ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``.
 
 Each capability's section is a module of its own (its model, defaults and checks):
 ``store``, ``server`` (and request ``limits``), ``idempotency`` (and ``reconcile``),
@@ -446,12 +447,60 @@ def _keys(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(keys)
 
 
+def _empty_sections(
+    model: type[BaseModel], data: Mapping[Any, Any], at: str, problems: dict[str, str]
+) -> dict[Any, Any]:
+    """``data`` with each section given as null (``idempotency:`` with its keys commented
+    out) replaced by an empty one, and a problem for it: YAML reads it as null, which
+    would turn the capability off (or fail as not a mapping) without a word."""
+    fields = _model_fields(model)
+    out = dict(data)
+    for key, value in data.items():
+        field = fields.get(key) if isinstance(key, str) else None
+        section = None if field is None else _section(field)
+        if field is None or section is None:
+            continue
+        inner, many = section
+        path = f"{at}.{key}" if at else key
+        if value is None:
+            if many:
+                advice = (
+                    "at least one entry is needed"
+                    if field.is_required()
+                    else "write [] for an empty list, or remove it"
+                )
+            else:
+                try:
+                    inner.model_validate({})
+                    advice = "write {} for the defaults, or remove it"
+                except ValidationError:
+                    advice = "give its keys, or remove it"
+            problems[path] = f"{path}: empty; {advice}"
+            out[key] = [] if many else {}
+        elif many and isinstance(value, list):
+            out[key] = [
+                _empty_sections(inner, item, f"{path}[{i}]", problems)
+                if isinstance(item, dict)
+                else item
+                for i, item in enumerate(value)
+            ]
+        elif not many and isinstance(value, dict):
+            out[key] = _empty_sections(inner, value, path, problems)
+    return out
+
+
+def _under(location: str, paths: Mapping[str, str]) -> bool:
+    return any(location == p or location.startswith((f"{p}.", f"{p}[")) for p in paths)
+
+
 def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     """Validate parsed YAML; raise ``ConfigError`` listing every problem."""
     if data is None:
         raise ConfigError(["(top level): the configuration is empty"])
     if not isinstance(data, dict):
         raise ConfigError(["(top level): the configuration must be a mapping"])
+    empty: dict[str, str] = {}  # the problems of sections given as null, by location
+    data = _empty_sections(Config, data, "", empty)
     environ = os.environ if env is None else env
     replaced: dict[str, str] = {}  # location: the variable its value is from
     for location, variable in _ENV_VALUES.items():
@@ -461,7 +510,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
         section, _, key = location.rpartition(".")
         if not section:
             data = {**data, key: value}
-        elif isinstance(found := data.get(section) or {}, dict):  # else: reported as it is
+        elif isinstance(found := data.get(section, {}), dict):  # else: reported as it is
             data = {**data, section: {**found, key: value}}
         else:
             continue
@@ -469,15 +518,17 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems: list[str] = []
+        problems = list(empty.values())
         for error in exc.errors():
             location = _location(error["loc"], error["type"] == "extra_forbidden")
-            if _reported_elsewhere(error):
+            if _reported_elsewhere(error) or _under(location, empty):
                 continue
             if location in replaced:
                 location += f" (from {replaced[location]})"
             problems.append(f"{location}: {_message(error)}")
         raise ConfigError(problems) from None
+    if empty:
+        raise ConfigError(list(empty.values()))
     return config
 
 
