@@ -15,6 +15,7 @@ from proxy.config import (
     load_config,
     parse_config,
     parse_duration,
+    parse_wait,
 )
 from proxy.errors import ConfigError
 
@@ -40,11 +41,43 @@ def test_durations(text: object, seconds: float) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "5", "5 parsecs", "-1s", "0s", 0, True, None, "1w", float("nan"), float("inf")],
+    [
+        "",
+        "5",
+        "5 parsecs",
+        "-1s",
+        "0s",
+        0,
+        True,
+        None,
+        "1w",
+        float("nan"),
+        float("inf"),
+        pytest.param(10**400, id="10**400"),
+    ],
 )
 def test_bad_durations(text: object) -> None:
     with pytest.raises(ValueError, match="duration"):
         parse_duration(text)
+
+
+def test_a_wait_may_be_zero_but_not_negative() -> None:
+    assert parse_wait(0) == parse_wait("0s") == parse_wait(-0.0) == 0
+    assert parse_wait("250ms") == 0.25
+    with pytest.raises(ValueError, match="a wait must be zero or more"):
+        parse_wait(-1)
+    with pytest.raises(ValueError, match="finite"):
+        parse_wait(10**400)
+
+
+def test_a_huge_number_of_seconds_in_yaml_is_not_a_duration(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    huge = "1" + "0" * 400
+    path.write_text(
+        f"routes:\n  - {{name: r, path_prefix: /r, upstream: http://h, timeout: {huge}}}\n"
+    )
+    with pytest.raises(ConfigError, match=r"routes\[0\]\.timeout: a duration must be a finite"):
+        load_config(path, env={})
 
 
 def test_defaults() -> None:
@@ -109,6 +142,16 @@ def test_missing_routes_and_non_mapping() -> None:
         parse_config({}, env={})
     with pytest.raises(ConfigError, match="must be a mapping"):
         parse_config(["routes"], env={})
+    with pytest.raises(ConfigError, match=r"^\(top level\): the configuration is empty$"):
+        parse_config(None, env={})
+
+
+@pytest.mark.parametrize("text", ["", "# routes: to come\n", "---\n"])
+def test_an_empty_file_is_said_to_be_empty(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"c\.yaml: the file is empty"):
+        load_config(path, env={})
 
 
 def test_environment_overrides(tmp_path: Path) -> None:
@@ -120,7 +163,7 @@ def test_environment_overrides(tmp_path: Path) -> None:
     assert load_config(env=env).store.url == "redis://cache:6379/1"
     with pytest.raises(ConfigError, match="no configuration"):
         load_config(env={})
-    with pytest.raises(ConfigError, match=r"store\.url"):
+    with pytest.raises(ConfigError, match=r"^store\.url \(from TOOL_PROXY_STORE_URL\): must be"):
         load_config(path, env={ENV_STORE_URL: "mysql://x"})  # postgres:// is a store now
 
 
@@ -134,3 +177,186 @@ def test_input_limits_have_defaults_and_bounds() -> None:
     fields = " ".join(caught.value.problems)
     assert "limits.max_json_depth" in fields
     assert "limits.max_header_bytes" in fields
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - name: a\n"
+        "    path_prefix: /a\n"
+        "    upstream: http://h:1\n"
+        "    upstream: http://h:2\n"
+        "    idempotency: {lock_ttl: 5s, lock_ttl: 6s}\n"
+        "routes:\n"
+        "  - {name: b, path_prefix: /b, upstream: http://h}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env={})
+    assert caught.value.problems == [
+        f"{path}: line 5: duplicate key 'upstream' (first on line 4): "
+        "YAML would keep only the last; write it once",
+        f"{path}: line 6: duplicate key 'lock_ttl' (first on line 6): "
+        "YAML would keep only the last; write it once",
+        f"{path}: line 7: duplicate key 'routes' (first on line 1): "
+        "YAML would keep only the last; write it once",
+    ]
+
+
+def test_merge_keys_still_work_and_may_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "routes:\n"
+        "  - &a {name: a, path_prefix: /a, upstream: http://h, timeout: 5s}\n"
+        "  - &b {<<: *a, name: b, path_prefix: /b, timeout: 7s, idempotency: {}}\n"
+        "  - {<<: *b, name: c, path_prefix: /c}\n"
+        "  - <<: [*a]\n"
+        "    name: d\n"
+        "    path_prefix: /d\n"
+    )
+    routes = load_config(path, env={}).routes
+    assert [(r.name, r.path_prefix, r.timeout) for r in routes] == [
+        ("a", "/a", 5.0),
+        ("b", "/b", 7.0),
+        ("c", "/c", 7.0),
+        ("d", "/d", 5.0),
+    ]
+    assert [r.idempotency is not None for r in routes] == [False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [("1" + "0" * 5000, "int"), ("2024-13-45", "timestamp"), ("!!float x", "float")],
+)
+def test_a_value_yaml_cannot_read_is_named_with_its_line(
+    tmp_path: Path, value: str, kind: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"routes:\n  - name: {value}\n")
+    with pytest.raises(ConfigError, match=rf"(?s)not valid YAML: not a valid {kind}: .*line 2"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://h:abc/0", "Port could not be cast to integer value as 'abc'"),
+        ("redis://h:70000/0", "Port out of range"),
+        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis+cluster://[::1:1", "Invalid IPv6 URL"),
+        ("redis+cluster://h:1,h:70000", "Port out of range"),
+        ("redis://localhost/0?socket_timeout=abc", "Invalid value for 'socket_timeout'"),
+        ("redis://localhost/0?sockettimeout=1", "unknown query parameter 'sockettimeout'"),
+        ("redis+sentinel://s:26379/m?bogus=1", "unknown query parameter 'bogus'"),
+        ("rediss://h/0?ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag"),
+        ("redis://localhost/abc", r"the path is the database's number \(/0\), not /abc"),
+        ("sqlite:///tmp/y.db?synchronous=bogus", "synchronous must be one of full, normal"),
+        ("sqlite:///tmp/y.db?synchronus=normal", "unknown query parameter 'synchronus'"),
+        ("sqlite://?synchronous=normal", "needs a file path"),
+        ("postgresql://u@h:notaport/db", "Port could not be cast to integer value as 'notaport'"),
+        ("postgresql://h1:5432,h2:x/db", "Port could not be cast to integer value as 'x'"),
+        ("postgres://[::1/db", "Invalid IPv6 URL"),
+    ],
+)
+def test_a_store_url_its_store_cannot_use_is_named(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^store\.url: .*{problem}"):
+        parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost",
+        "redis://localhost:6379/",
+        "rediss://u:p@h:6380/15?socket_timeout=5&ssl_cert_reqs=none",
+        "redis://[::1]:6379/2?db=3",
+        "redis+cluster://a:1,[::1]:2?socket_timeout=1",
+        "rediss+sentinel://:pw@s:26379,t:26380/mymaster",
+        "sqlite:///var/lib/x.db?synchronous=normal",
+        "sqlite://relative.db",
+        "postgresql://u@h1:5432,h2:5433/db?sslmode=require",
+        "postgres://db/tp",
+    ],
+)
+def test_store_urls_their_stores_can_use_pass(url: str) -> None:
+    assert parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={}).store.url == url
+
+
+def test_a_section_given_empty_is_refused_not_turned_off(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "store:\n"
+        "auth:\n"
+        "  issuers: [{issuer: https://idp, jwks_url: https://idp/keys, audiences: [x]}]\n"
+        "admin:\n"
+        "routes:\n"
+        "  - name: a\n"
+        "    path_prefix: /a\n"
+        "    upstream: http://h\n"
+        "    auth:\n"
+        "      # required: true\n"
+        "    idempotency:\n"
+        "      # lock_ttl: 5s\n"
+        "    limits:\n"
+        "    timeout: soon\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env={ENV_STORE_URL: "memory://"})
+    assert caught.value.problems == [
+        "store: empty; write {} for the defaults, or remove it",
+        "admin: empty; give its keys, or remove it",  # {} is no admin section either
+        "routes[0].auth: empty; write {} for the defaults, or remove it",
+        "routes[0].idempotency: empty; write {} for the defaults, or remove it",
+        "routes[0].limits: empty; write [] for an empty list, or remove it",
+        "routes[0].timeout: not a duration: 'soon' (use a number of seconds or 250ms, 5s, 2m)",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": None, "auth": {"issuers": None}}, env={})
+    assert caught.value.problems == [
+        "routes: empty; at least one entry is needed",
+        "auth.issuers: empty; at least one entry is needed",
+    ]
+    issuer = {"issuer": "i", "discovery": True, "audiences": ["x"]}
+    written = {
+        "store": {},
+        "auth": {"issuers": [issuer]},
+        "routes": [{**ROUTE, "auth": {}, "idempotency": {}, "limits": []}],
+    }
+    route = parse_config(written, env={}).routes[0]
+    assert route.auth is not None and route.idempotency is not None and route.limits == ()
+
+
+def test_a_field_is_named_without_pydantic_tags_or_a_spurious_too_short() -> None:
+    mcp = {**ROUTE, "name": "m", "path_prefix": "/m", "protocol": "mcp", "mcp": {"guard": 5}}
+    cost = {"name": "l", "rate": "1/1s", "cost": {"request": [1]}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"routes": [{**ROUTE, "limits": [cost], "str": 1}, mcp]}, env={})
+    assert caught.value.problems == [
+        "routes[0].limits[0].cost.request: Input should be a valid number",
+        "routes[0].limits[0].cost.request: Input should be a valid string",
+        "routes[0].str: unknown key",
+        "routes[1].mcp.guard: Input should be 'all' or 'annotated'",
+        "routes[1].mcp.guard: Input should be a valid tuple",
+    ]
+    with pytest.raises(ConfigError, match=r"^routes: Tuple should have at least 1 item"):
+        parse_config({"routes": []}, env={})  # a list that is too short is still said to be
+    with pytest.raises(ConfigError, match=r"^store: must be a mapping of its keys, not list$"):
+        parse_config({"routes": [ROUTE], "store": [1]}, env={})
+
+
+@pytest.mark.parametrize("store", ["[1]", "memory"])
+def test_an_override_of_a_section_that_is_not_a_mapping_is_an_error(
+    tmp_path: Path, store: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"store: {store}\nserver: [1]\nroutes:\n  - {{name: r, path_prefix: /r, upstream: http://h}}\n"
+    )
+    env = {ENV_STORE_URL: "memory://", "TOOL_PROXY_HOST": "0.0.0.0"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, env=env)
+    kind = "list" if store == "[1]" else "str"
+    assert caught.value.problems == [
+        f"store: must be a mapping of its keys, not {kind}",
+        "server: must be a mapping of its keys, not list",
+    ]

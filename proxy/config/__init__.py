@@ -1,7 +1,8 @@
 """The YAML configuration: validated models, defaults, and every problem reported at once.
 
-Unknown keys are errors. Durations are seconds (a number) or a string with a unit:
-``250ms``, ``5s``, ``2m``, ``24h``, ``7d``.
+Unknown keys are errors, and so are a key given twice in one mapping and a section given
+empty (``idempotency:`` with its keys commented out: YAML's null). Durations are seconds
+(a number) or a string with a unit: ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``.
 
 Each capability's section is a module of its own (its model, defaults and checks):
 ``store``, ``server`` (and request ``limits``), ``idempotency`` (and ``reconcile``),
@@ -14,13 +15,16 @@ its loading, and every name of the sections, so ``from proxy.config import X`` w
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from proxy.config.auth import (
     DEFAULT_ALGORITHMS,
@@ -374,14 +378,19 @@ class Config(Strict):
         return self
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
+# The variables that replace a value of the file, by the value's location.
+_ENV_VALUES = {"store.url": ENV_STORE_URL, "state_dir": ENV_STATE_DIR, "server.host": ENV_HOST}
+
+
+def _location(loc: tuple[int | str, ...], unknown_key: bool = False) -> str:
+    """``routes[0].idempotency.lock_ttl``: the keys of the file, without the tags pydantic
+    adds for a union's members (``float``, ``str-enum[McpGuard]``, ``function-after[...]``);
+    ``unknown_key``: the last part is a key no model has (kept)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.startswith("function-") or "[" in part:
-            continue
-        else:
+        elif part in _keys(Config) or (unknown_key and i == len(loc) - 1):
             out += f".{part}" if out else part
     return out or "(top level)"
 
@@ -392,24 +401,135 @@ def _message(error: Any) -> str:
         return "unknown key"
     if kind == "missing":
         return "required"
+    if kind == "model_type":  # not "a valid dictionary or instance of StoreConfig"
+        return f"must be a mapping of its keys, not {type(error['input']).__name__}"
     return msg.removeprefix("Value error, ")
+
+
+def _reported_elsewhere(error: Any) -> bool:
+    """A list pydantic finds too short only because items failed (each reported)."""
+    if error["type"] != "too_short":
+        return False
+    try:
+        return len(error["input"]) >= int(error["ctx"]["min_length"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _model_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """A model's fields by the key the file gives them (``async``, not ``async_``)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
+def _section(field: FieldInfo) -> tuple[type[BaseModel], bool] | None:
+    """The model of a section-valued field (a mapping, or a list of mappings: True)."""
+    annotation = field.annotation
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            return None
+        annotation = members[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    item = get_args(annotation)[0] if get_origin(annotation) is tuple else None
+    if isinstance(item, type) and issubclass(item, BaseModel):
+        return item, True
+    return None
+
+
+@functools.cache  # (`cache` here is the submodule proxy.config.cache)
+def _keys(model: type[BaseModel]) -> frozenset[str]:
+    """Every key of ``model`` and of its sections, at any depth."""
+    keys = set(_model_fields(model))
+    for field in model.model_fields.values():
+        if (section := _section(field)) is not None:
+            keys |= _keys(section[0])
+    return frozenset(keys)
+
+
+def _empty_sections(
+    model: type[BaseModel], data: Mapping[Any, Any], at: str, problems: dict[str, str]
+) -> dict[Any, Any]:
+    """``data`` with each section given as null (``idempotency:`` with its keys commented
+    out) replaced by an empty one, and a problem for it: YAML reads it as null, which
+    would turn the capability off (or fail as not a mapping) without a word."""
+    fields = _model_fields(model)
+    out = dict(data)
+    for key, value in data.items():
+        field = fields.get(key) if isinstance(key, str) else None
+        section = None if field is None else _section(field)
+        if field is None or section is None:
+            continue
+        inner, many = section
+        path = f"{at}.{key}" if at else key
+        if value is None:
+            if many:
+                advice = (
+                    "at least one entry is needed"
+                    if field.is_required()
+                    else "write [] for an empty list, or remove it"
+                )
+            else:
+                try:
+                    inner.model_validate({})
+                    advice = "write {} for the defaults, or remove it"
+                except ValidationError:
+                    advice = "give its keys, or remove it"
+            problems[path] = f"{path}: empty; {advice}"
+            out[key] = [] if many else {}
+        elif many and isinstance(value, list):
+            out[key] = [
+                _empty_sections(inner, item, f"{path}[{i}]", problems)
+                if isinstance(item, dict)
+                else item
+                for i, item in enumerate(value)
+            ]
+        elif not many and isinstance(value, dict):
+            out[key] = _empty_sections(inner, value, path, problems)
+    return out
+
+
+def _under(location: str, paths: Mapping[str, str]) -> bool:
+    return any(location == p or location.startswith((f"{p}.", f"{p}[")) for p in paths)
 
 
 def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
     """Validate parsed YAML; raise ``ConfigError`` listing every problem."""
+    if data is None:
+        raise ConfigError(["(top level): the configuration is empty"])
     if not isinstance(data, dict):
         raise ConfigError(["(top level): the configuration must be a mapping"])
+    empty: dict[str, str] = {}  # the problems of sections given as null, by location
+    data = _empty_sections(Config, data, "", empty)
     environ = os.environ if env is None else env
-    if store_url := environ.get(ENV_STORE_URL):
-        data = {**data, "store": {**(data.get("store") or {}), "url": store_url}}
-    if state_dir := environ.get(ENV_STATE_DIR):
-        data = {**data, "state_dir": state_dir}
-    if host := environ.get(ENV_HOST):
-        data = {**data, "server": {**(data.get("server") or {}), "host": host}}
+    replaced: dict[str, str] = {}  # location: the variable its value is from
+    for location, variable in _ENV_VALUES.items():
+        value = environ.get(variable)
+        if not value:
+            continue
+        section, _, key = location.rpartition(".")
+        if not section:
+            data = {**data, key: value}
+        elif isinstance(found := data.get(section, {}), dict):  # else: reported as it is
+            data = {**data, section: {**found, key: value}}
+        else:
+            continue
+        replaced[location] = variable
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([f"{_location(e['loc'])}: {_message(e)}" for e in exc.errors()]) from None
+        problems = list(empty.values())
+        for error in exc.errors():
+            location = _location(error["loc"], error["type"] == "extra_forbidden")
+            if _reported_elsewhere(error) or _under(location, empty):
+                continue
+            if location in replaced:
+                location += f" (from {replaced[location]})"
+            problems.append(f"{location}: {_message(error)}")
+        raise ConfigError(problems) from None
+    if empty:
+        raise ConfigError(list(empty.values()))
+    return config
 
 
 def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None = None) -> Config:
@@ -423,8 +543,60 @@ def load_config(path: str | Path | None = None, *, env: Mapping[str, str] | None
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     except UnicodeDecodeError as exc:
         raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from None
+    loader = _Loader(text)
     try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    finally:
+        loader.dispose()
+    if loader.problems:
+        raise ConfigError(
+            [f"{path}: line {line}: {problem}" for line, problem in sorted(loader.problems)]
+        )
+    if data is None:
+        raise ConfigError([f"{path}: the file is empty (a configuration needs routes at least)"])
     return parse_config(data, env=env)
+
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, but a key given twice in one mapping is a problem (YAML
+    would keep the last and drop the first unseen), and a value YAML cannot construct (an
+    int of 5000 digits, a month 13) is a YAML error at its line, not a ValueError.
+    Merge keys (``<<: *anchor``) still work: the keys they bring may be given again."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.problems: list[tuple[int, str]] = []  # (line, problem)
+        self._checked: set[yaml.MappingNode] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if node not in self._checked:  # once, and before merging puts the merged keys in
+            self._checked.add(node)
+            first: dict[tuple[str, str], int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE:
+                    continue
+                key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                if key in first:
+                    self.problems.append(
+                        (
+                            line,
+                            f"duplicate key {key_node.value!r} (first on line {first[key]}): "
+                            "YAML would keep only the last; write it once",
+                        )
+                    )
+                else:
+                    first[key] = line
+        super().flatten_mapping(node)
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"not a valid {node.tag.rpartition(':')[2]}: {exc}", node.start_mark
+            ) from None

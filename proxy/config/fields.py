@@ -56,18 +56,27 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string such as ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``."""
+def _seconds(value: Any) -> float:
+    """Seconds from a number or a string with a unit, checked finite (not yet for sign)."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 5s, 2m, 24h")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past a float's range (YAML's ints are unbounded)
+            raise ValueError("a duration must be a finite number of seconds") from None
     elif isinstance(value, str) and (match := _DURATION.fullmatch(value)):
         seconds = float(match[1]) * _UNITS[match[2]]
     else:
         raise ValueError(f"not a duration: {value!r} (use a number of seconds or 250ms, 5s, 2m)")
     if not math.isfinite(seconds):
         raise ValueError("a duration must be a finite number of seconds")
+    return seconds
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``250ms``, ``5s``, ``2m``, ``24h``, ``7d``."""
+    seconds = _seconds(value)
     if seconds <= 0:
         raise ValueError("a duration must be positive")
     return seconds
@@ -75,11 +84,10 @@ def parse_duration(value: Any) -> float:
 
 def parse_wait(value: Any) -> float:
     """Like :func:`parse_duration`, but zero (``0``, ``0s``) is allowed: no waiting."""
-    if isinstance(value, str) and (match := _DURATION.fullmatch(value)):
-        value = float(match[1]) * _UNITS[match[2]]
-    if value == 0 and not isinstance(value, bool):
-        return 0.0
-    return parse_duration(value)
+    seconds = _seconds(value)
+    if seconds < 0:
+        raise ValueError("a wait must be zero or more (0: no waiting)")
+    return seconds + 0.0  # -0.0 is 0.0
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import parse_qs, unquote, urlsplit
+
 from pydantic import (
     Field,
     ValidationInfo,
@@ -100,7 +102,9 @@ class StoreConfig(Strict):
 
 
 def check_store_url(url: str) -> str:
-    """Raise ValueError unless ``url`` names a known store."""
+    """Raise ValueError unless ``url`` names a known store, in a form its store can use:
+    the parsers the stores use read it here (a bad port, a query parameter redis-py or the
+    SQLite store refuses), so that ``check-config`` names it, not a traceback at start."""
     scheme = url.split("://", 1)[0] if "://" in url else ""
     base, plus, topology = scheme.partition("+")
     if base in ("redis", "rediss") and plus and plus + topology in _REDIS_TOPOLOGIES:
@@ -111,18 +115,67 @@ def check_store_url(url: str) -> str:
             "redis+cluster://host:port[,host:port...], "
             "redis+sentinel://host:port[,host:port...]/<master-name> or postgresql://..."
         )
-    if scheme == "sqlite" and not url.removeprefix("sqlite://"):
-        raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
+    if scheme == "sqlite":
+        _check_sqlite(url)
+    if scheme in ("redis", "rediss"):
+        _check_redis_node(url)
+        database = unquote(urlsplit(url).path).replace("/", "")  # as redis-py reads it
+        if database and not database.isdigit():
+            raise ValueError(f"the path is the database's number (/0), not /{database}")
     if scheme in ("postgresql", "postgres"):
         from proxy.store.postgres import parse_postgres_url
 
+        _check_ports(url)
         parse_postgres_url(url)
     return url
 
 
+def _check_sqlite(url: str) -> None:
+    """The SQLite store's own parser reads it; a query parameter it ignores is a typo."""
+    from proxy.errors import StoreUnavailable
+    from proxy.store.sqlite import parse_sqlite_url
+
+    try:
+        path, _ = parse_sqlite_url(url)
+    except StoreUnavailable as exc:
+        raise ValueError(str(exc)) from None
+    if not path:
+        raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
+    unknown = sorted(set(parse_qs(url.partition("?")[2], keep_blank_values=True)) - {"synchronous"})
+    if unknown:
+        raise ValueError(f"unknown query parameter {unknown[0]!r} (sqlite:// takes synchronous)")
+
+
+def _check_redis_node(url: str) -> None:
+    """The pool and a connection of one Redis node made as the store makes them (nothing
+    is connected): redis-py's parser reads the URL, the connection its query parameters."""
+    from redis.asyncio import ConnectionPool
+    from redis.exceptions import RedisError
+
+    try:
+        pool = ConnectionPool.from_url(url)
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as exc:  # a query parameter no connection takes
+        name = str(exc).rpartition("argument ")[2]
+        raise ValueError(f"not a usable Redis URL: unknown query parameter {name}") from None
+    except (ValueError, RedisError) as exc:
+        raise ValueError(f"not a usable Redis URL: {exc}") from None
+
+
+def _check_ports(url: str) -> None:
+    """Each host's port, as urllib reads it (libpq's URLs may list several hosts)."""
+    try:
+        for host in urlsplit(url).netloc.rpartition("@")[2].split(","):
+            _ = urlsplit(f"//{host}").port
+    except ValueError as exc:
+        raise ValueError(f"not a usable PostgreSQL URL: {exc}") from None
+
+
 def _check_redis_nodes(url: str, topology: str) -> str:
     """A ``redis+cluster://`` URL names host:port seeds; ``redis+sentinel://`` also the
-    master's name (its path)."""
+    master's name (its path). Each seed's URL is made as the store makes it, and checked."""
+    from proxy.store.redis_nodes import seeds
+
     rest = url.split("://", 1)[1]
     hosts, _, path = rest.partition("?")[0].rpartition("@")[2].partition("/")
     for item in hosts.split(","):
@@ -131,4 +184,10 @@ def _check_redis_nodes(url: str, topology: str) -> str:
             raise ValueError(f"redis+{topology}://: {item!r} is not host:port")
     if topology == "sentinel" and not path.strip("/"):
         raise ValueError("redis+sentinel:// needs the master's name: .../<master-name>")
+    try:
+        addresses, node_url = seeds(url)
+    except ValueError as exc:
+        raise ValueError(f"not a usable Redis URL: {exc}") from None
+    for address in addresses:
+        _check_redis_node(node_url.format(f"{address[0]}:{address[1]}"))
     return url
