@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,57 @@ def test_input_limits_have_defaults_and_bounds() -> None:
     fields = " ".join(caught.value.problems)
     assert "limits.max_json_depth" in fields
     assert "limits.max_header_bytes" in fields
+
+
+def _problems(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, env={})
+    return caught.value.problems
+
+
+ISSUER = {"issuer": "https://idp", "jwks_url": "https://idp/jwks", "audiences": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("upstream", "problem"),
+    [
+        ("http://127.0.0.1:99999", "routes[0].upstream: not a port in '127.0.0.1:99999'"),
+        ("http://127.0.0.1:abc", "routes[0].upstream: not a port in '127.0.0.1:abc'"),
+        ("http://h:0/base", "routes[0].upstream: not a port in 'h:0'"),
+        ("http://[::1", "routes[0].upstream: not a URL"),
+        ("http://h/a b", "routes[0].upstream: a URL has no spaces or control characters"),
+        ("http://h/a\tb", "routes[0].upstream: a URL has no spaces or control characters"),
+        ("not a url", "routes[0].upstream: not an absolute http(s) URL"),
+        ("http://user:pw@h", "routes[0].upstream: an upstream has no user or password"),
+    ],
+)
+def test_an_upstream_that_cannot_be_sent_to_is_refused(upstream: str, problem: str) -> None:
+    """Accepted, such an upstream made every call fail in flight (a port yarl refuses:
+    recorded FAILED though nothing was sent; a space: a broken request line sent)."""
+    problems = _problems({"routes": [{**ROUTE, "upstream": upstream}]})
+    assert any(p.startswith(problem) for p in problems), problems
+
+
+def test_ports_in_range_are_upstreams() -> None:
+    for upstream in ("http://h:65535", "https://[::1]:443/x", "http://h:1"):
+        parse_config({"routes": [{**ROUTE, "upstream": upstream}]}, env={})
+
+
+def test_the_identity_providers_urls_are_checked() -> None:
+    bad_keys = {**ISSUER, "jwks_url": "https://idp:99999/jwks"}
+    problems = _problems({"auth": {"issuers": [bad_keys]}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.issuers[0].jwks_url: not a port") for p in problems)
+    discovered = {"issuer": "idp", "discovery": True, "audiences": ["a"]}
+    problems = _problems({"auth": {"issuers": [discovered]}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.issuers[0]: issuer: not an absolute") for p in problems)
+    # Without discovery an issuer is only compared with the tokens' iss: any string.
+    named = {**ISSUER, "issuer": "accounts.example.com"}
+    parse_config({"auth": {"issuers": [named]}, "routes": [ROUTE]}, env={})
+    token = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp:70000/token",
+        "client_id": "c",
+        "client_secret_env": "SECRET",
+    }
+    problems = _problems({"routes": [{**ROUTE, "token": token}]})
+    assert any(p.startswith("routes[0].token.token_endpoint: not a port") for p in problems)
