@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,36 @@ def test_the_identity_providers_urls_are_checked() -> None:
     }
     problems = _problems({"routes": [{**ROUTE, "token": token}]})
     assert any(p.startswith("routes[0].token.token_endpoint: not a port") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("limit", "problem"),
+    [
+        ({"cost": {"request": math.nan}}, "limits[0].cost.request: a cost must be a finite"),
+        ({"cost": {"request": math.inf}}, "limits[0].cost.request: a cost must be a finite"),
+        ({"rate": "9" * 400 + "/1s"}, "limits[0].rate: a rate's quota must be a finite"),
+        ({"rate": "9" * 300 + "/0." + "0" * 320 + "1s"}, "limits[0].rate: the period is too"),
+        ({"rate": "0.5/1s"}, "limits[0]: the rate's quota (0.5), its burst, is below the 1"),
+        ({"rate": "10/1m", "cost": {"request": 20}}, "limits[0]: the rate's quota (10), its"),
+        ({"rate": "100/1m", "burst": 50, "cost": {"request": 60}}, "limits[0]: burst (50) is"),
+    ],
+)
+def test_a_rate_no_call_could_pass_is_refused(limit: dict[str, Any], problem: str) -> None:
+    """A NaN cost, an infinite quota or an interval of 0 made every call fail in flight
+    (ValueError, ZeroDivisionError); a burst below what every call costs refused every
+    call for ever."""
+    spec = {"name": "l", "rate": "10/1s", **limit}
+    problems = _problems({"routes": [{**ROUTE, "limits": [spec]}]})
+    assert any(p.startswith(f"routes[0].{problem}") for p in problems), problems
+
+
+def test_a_rate_whose_burst_fits_a_call_is_accepted() -> None:
+    fits = [
+        {"name": "half", "rate": "0.5/1s", "cost": {"request": 0.5}},
+        {"name": "body", "rate": "0.5/1s", "cost": {"request": "json:/n"}},  # any number
+        {"name": "every2s", "rate": "1/2s"},
+        {"name": "tokens", "rate": "100/1m", "burst": 60, "cost": {"request": 60}},
+    ]
+    parse_config({"routes": [{**ROUTE, "limits": fits}]}, env={})
+    problems = _problems({"routes": [{**ROUTE, "limits": [{"name": "l", "rate": "0.5/1m"}]}]})
+    assert any("(write 0.5/60s as 1/120s)" in p for p in problems), problems
