@@ -223,3 +223,11 @@ def test_a_rate_whose_burst_fits_a_call_is_accepted() -> None:
     parse_config({"routes": [{**ROUTE, "limits": fits}]}, env={})
     problems = _problems({"routes": [{**ROUTE, "limits": [{"name": "l", "rate": "0.5/1m"}]}]})
     assert any("(write 0.5/60s as 1/120s)" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("claims", [[], [""], ["sub", " "]])
+def test_a_principal_needs_a_claim_name(claims: list[str]) -> None:
+    """Without one, every caller had the same principal: records and private cache
+    entries were shared across callers."""
+    problems = _problems({"auth": {"issuers": [ISSUER], "principal": claims}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.principal: one claim name at least") for p in problems)

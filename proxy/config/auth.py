@@ -138,6 +138,16 @@ class AuthConfig(Strict):
     token_cache_key_env: str | None = None
     token_cache_entries: int = Field(default=DEFAULT_TOKEN_CACHE_ENTRIES, ge=1)
 
+    @field_validator("principal")
+    @classmethod
+    def _principal(cls, claims: tuple[str, ...]) -> tuple[str, ...]:
+        if not claims or not all(claim.strip() for claim in claims):
+            raise ValueError(
+                "one claim name at least, none empty: records are scoped by the claims' "
+                "values, and without one every caller would share them"
+            )
+        return claims
+
 
 class TokenMode(StrEnum):
     """What a route sends upstream as Authorization."""
