@@ -231,3 +231,35 @@ def test_a_principal_needs_a_claim_name(claims: list[str]) -> None:
     entries were shared across callers."""
     problems = _problems({"auth": {"issuers": [ISSUER], "principal": claims}, "routes": [ROUTE]})
     assert any(p.startswith("auth.principal: one claim name at least") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("statuses", "problem"),
+    [
+        ([503, 200], "200 means the call ran"),
+        ([201], "201 means the call ran"),
+        ([100], "100 is informational"),
+    ],
+)
+def test_release_on_status_refuses_answers_of_a_call_that_ran(
+    statuses: list[int], problem: str
+) -> None:
+    """Releasing the key on a 2xx let the retry run the call a second time."""
+    guarded = {**ROUTE, "idempotency": {"release_on_status": statuses}}
+    problems = _problems({"routes": [guarded]})
+    assert any(
+        p.startswith(f"routes[0].idempotency.release_on_status: {problem}") for p in problems
+    )
+    redirects = {**ROUTE, "idempotency": {"release_on_status": [307, 408, 599]}}
+    parse_config({"routes": [redirects]}, env={})
+
+
+def test_a_reconcile_look_up_is_a_read() -> None:
+    """The look-up is sent again on retries and by every replica: a POST could act."""
+    spec = {**ROUTE, "idempotency": {}, "reconcile": {"method": "post", "path": "/c/{key}"}}
+    problems = _problems({"routes": [spec]})
+    assert any(p.startswith("routes[0].reconcile.method: POST is not a read") for p in problems)
+    for method in ("get", "HEAD"):
+        read = {**spec, "reconcile": {"method": method, "path": "/c/{key}"}}
+        route = parse_config({"routes": [read]}, env={}).routes[0]
+        assert route.reconcile is not None and route.reconcile.method == method.upper()
