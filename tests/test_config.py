@@ -18,6 +18,7 @@ from proxy.config import (
     parse_config,
     parse_duration,
 )
+from proxy.config.idempotency import MIN_LOCK_TTL
 from proxy.errors import ConfigError
 
 ROUTE = {"name": "r", "path_prefix": "/r/", "upstream": "http://h:1/base/"}
@@ -263,3 +264,13 @@ def test_a_reconcile_look_up_is_a_read() -> None:
         read = {**spec, "reconcile": {"method": method, "path": "/c/{key}"}}
         route = parse_config({"routes": [read]}, env={}).routes[0]
         assert route.reconcile is not None and route.reconcile.method == method.upper()
+
+
+def test_lock_ttl_has_a_floor() -> None:
+    """A lease renewed every third of 0.001 ms lapsed at once (and spun the loop)."""
+    for lease in ("0.001ms", "99ms"):
+        problems = _problems({"routes": [{**ROUTE, "idempotency": {"lock_ttl": lease}}]})
+        assert any(p.startswith("routes[0].idempotency.lock_ttl: at least 100ms") for p in problems)
+    config = parse_config({"routes": [{**ROUTE, "idempotency": {"lock_ttl": "100ms"}}]}, env={})
+    assert config.routes[0].idempotency is not None
+    assert config.routes[0].idempotency.lock_ttl == MIN_LOCK_TTL

@@ -20,6 +20,9 @@ DEFAULT_METHODS = ("POST", "PATCH")
 # The IN_PROGRESS lease; renewed every lock_ttl/3 while the upstream works.
 DEFAULT_LOCK_TTL = 120.0
 
+# The shortest lease: renewed every ~33 ms and taken as lost after 90 ms, a store round
+# trip or an event-loop pause of that order already lets it lapse.
+MIN_LOCK_TTL = 0.1
 
 # How long COMPLETED and FAILED outcomes are replayed.
 DEFAULT_RESULT_TTL = 24 * 3600.0
@@ -87,6 +90,16 @@ class IdempotencyConfig(Strict):
                     "run it a second time"
                 )
         return statuses
+
+    @field_validator("lock_ttl")
+    @classmethod
+    def _lease(cls, lock_ttl: float) -> float:
+        if lock_ttl < MIN_LOCK_TTL:
+            raise ValueError(
+                f"at least {MIN_LOCK_TTL * 1000:g}ms (the lease is renewed every third of it, "
+                "and a store round trip must fit in that)"
+            )
+        return lock_ttl
 
     @model_validator(mode="after")
     def _result_outlives_lease(self) -> IdempotencyConfig:
