@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +19,7 @@ from proxy.config import (
     parse_duration,
     parse_wait,
 )
+from proxy.config.idempotency import MIN_LOCK_TTL
 from proxy.errors import ConfigError
 
 ROUTE = {"name": "r", "path_prefix": "/r/", "upstream": "http://h:1/base/"}
@@ -316,7 +319,7 @@ def test_a_section_given_empty_is_refused_not_turned_off(tmp_path: Path) -> None
         "routes: empty; at least one entry is needed",
         "auth.issuers: empty; at least one entry is needed",
     ]
-    issuer = {"issuer": "i", "discovery": True, "audiences": ["x"]}
+    issuer = {"issuer": "https://idp", "discovery": True, "audiences": ["x"]}
     written = {
         "store": {},
         "auth": {"issuers": [issuer]},
@@ -360,3 +363,140 @@ def test_an_override_of_a_section_that_is_not_a_mapping_is_an_error(
         f"store: must be a mapping of its keys, not {kind}",
         "server: must be a mapping of its keys, not list",
     ]
+
+
+def _problems(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, env={})
+    return caught.value.problems
+
+
+ISSUER = {"issuer": "https://idp", "jwks_url": "https://idp/jwks", "audiences": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("upstream", "problem"),
+    [
+        ("http://127.0.0.1:99999", "routes[0].upstream: not a port in '127.0.0.1:99999'"),
+        ("http://127.0.0.1:abc", "routes[0].upstream: not a port in '127.0.0.1:abc'"),
+        ("http://h:0/base", "routes[0].upstream: not a port in 'h:0'"),
+        ("http://[::1", "routes[0].upstream: not a URL"),
+        ("http://h/a b", "routes[0].upstream: a URL has no spaces or control characters"),
+        ("http://h/a\tb", "routes[0].upstream: a URL has no spaces or control characters"),
+        ("not a url", "routes[0].upstream: not an absolute http(s) URL"),
+        ("http://user:pw@h", "routes[0].upstream: an upstream has no user or password"),
+    ],
+)
+def test_an_upstream_that_cannot_be_sent_to_is_refused(upstream: str, problem: str) -> None:
+    """Accepted, such an upstream made every call fail in flight (a port yarl refuses:
+    recorded FAILED though nothing was sent; a space: a broken request line sent)."""
+    problems = _problems({"routes": [{**ROUTE, "upstream": upstream}]})
+    assert any(p.startswith(problem) for p in problems), problems
+
+
+def test_ports_in_range_are_upstreams() -> None:
+    for upstream in ("http://h:65535", "https://[::1]:443/x", "http://h:1"):
+        parse_config({"routes": [{**ROUTE, "upstream": upstream}]}, env={})
+
+
+def test_the_identity_providers_urls_are_checked() -> None:
+    bad_keys = {**ISSUER, "jwks_url": "https://idp:99999/jwks"}
+    problems = _problems({"auth": {"issuers": [bad_keys]}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.issuers[0].jwks_url: not a port") for p in problems)
+    discovered = {"issuer": "idp", "discovery": True, "audiences": ["a"]}
+    problems = _problems({"auth": {"issuers": [discovered]}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.issuers[0]: issuer: not an absolute") for p in problems)
+    # Without discovery an issuer is only compared with the tokens' iss: any string.
+    named = {**ISSUER, "issuer": "accounts.example.com"}
+    parse_config({"auth": {"issuers": [named]}, "routes": [ROUTE]}, env={})
+    token = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp:70000/token",
+        "client_id": "c",
+        "client_secret_env": "SECRET",
+    }
+    problems = _problems({"routes": [{**ROUTE, "token": token}]})
+    assert any(p.startswith("routes[0].token.token_endpoint: not a port") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("limit", "problem"),
+    [
+        ({"cost": {"request": math.nan}}, "limits[0].cost.request: a cost must be a finite"),
+        ({"cost": {"request": math.inf}}, "limits[0].cost.request: a cost must be a finite"),
+        ({"rate": "9" * 400 + "/1s"}, "limits[0].rate: a rate's quota must be a finite"),
+        ({"rate": "9" * 300 + "/0." + "0" * 320 + "1s"}, "limits[0].rate: the period is too"),
+        ({"rate": "0.5/1s"}, "limits[0]: the rate's quota (0.5), its burst, is below the 1"),
+        ({"rate": "10/1m", "cost": {"request": 20}}, "limits[0]: the rate's quota (10), its"),
+        ({"rate": "100/1m", "burst": 50, "cost": {"request": 60}}, "limits[0]: burst (50) is"),
+    ],
+)
+def test_a_rate_no_call_could_pass_is_refused(limit: dict[str, Any], problem: str) -> None:
+    """A NaN cost, an infinite quota or an interval of 0 made every call fail in flight
+    (ValueError, ZeroDivisionError); a burst below what every call costs refused every
+    call for ever."""
+    spec = {"name": "l", "rate": "10/1s", **limit}
+    problems = _problems({"routes": [{**ROUTE, "limits": [spec]}]})
+    assert any(p.startswith(f"routes[0].{problem}") for p in problems), problems
+
+
+def test_a_rate_whose_burst_fits_a_call_is_accepted() -> None:
+    fits = [
+        {"name": "half", "rate": "0.5/1s", "cost": {"request": 0.5}},
+        {"name": "body", "rate": "0.5/1s", "cost": {"request": "json:/n"}},  # any number
+        {"name": "every2s", "rate": "1/2s"},
+        {"name": "tokens", "rate": "100/1m", "burst": 60, "cost": {"request": 60}},
+    ]
+    parse_config({"routes": [{**ROUTE, "limits": fits}]}, env={})
+    problems = _problems({"routes": [{**ROUTE, "limits": [{"name": "l", "rate": "0.5/1m"}]}]})
+    assert any("(write 0.5/60s as 1/120s)" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("claims", [[], [""], ["sub", " "]])
+def test_a_principal_needs_a_claim_name(claims: list[str]) -> None:
+    """Without one, every caller had the same principal: records and private cache
+    entries were shared across callers."""
+    problems = _problems({"auth": {"issuers": [ISSUER], "principal": claims}, "routes": [ROUTE]})
+    assert any(p.startswith("auth.principal: one claim name at least") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("statuses", "problem"),
+    [
+        ([503, 200], "200 means the call ran"),
+        ([201], "201 means the call ran"),
+        ([100], "100 is informational"),
+    ],
+)
+def test_release_on_status_refuses_answers_of_a_call_that_ran(
+    statuses: list[int], problem: str
+) -> None:
+    """Releasing the key on a 2xx let the retry run the call a second time."""
+    guarded = {**ROUTE, "idempotency": {"release_on_status": statuses}}
+    problems = _problems({"routes": [guarded]})
+    assert any(
+        p.startswith(f"routes[0].idempotency.release_on_status: {problem}") for p in problems
+    )
+    redirects = {**ROUTE, "idempotency": {"release_on_status": [307, 408, 599]}}
+    parse_config({"routes": [redirects]}, env={})
+
+
+def test_a_reconcile_look_up_is_a_read() -> None:
+    """The look-up is sent again on retries and by every replica: a POST could act."""
+    spec = {**ROUTE, "idempotency": {}, "reconcile": {"method": "post", "path": "/c/{key}"}}
+    problems = _problems({"routes": [spec]})
+    assert any(p.startswith("routes[0].reconcile.method: POST is not a read") for p in problems)
+    for method in ("get", "HEAD"):
+        read = {**spec, "reconcile": {"method": method, "path": "/c/{key}"}}
+        route = parse_config({"routes": [read]}, env={}).routes[0]
+        assert route.reconcile is not None and route.reconcile.method == method.upper()
+
+
+def test_lock_ttl_has_a_floor() -> None:
+    """A lease renewed every third of 0.001 ms lapsed at once (and spun the loop)."""
+    for lease in ("0.001ms", "99ms"):
+        problems = _problems({"routes": [{**ROUTE, "idempotency": {"lock_ttl": lease}}]})
+        assert any(p.startswith("routes[0].idempotency.lock_ttl: at least 100ms") for p in problems)
+    config = parse_config({"routes": [{**ROUTE, "idempotency": {"lock_ttl": "100ms"}}]}, env={})
+    assert config.routes[0].idempotency is not None
+    assert config.routes[0].idempotency.lock_ttl == MIN_LOCK_TTL

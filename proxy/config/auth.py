@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
     Field,
@@ -48,6 +50,36 @@ _ASYMMETRIC_ALGORITHMS = (
 )
 
 
+# Characters no URL of the configuration may hold: sent as they are, a space or a control
+# character breaks the request line (percent-encode them).
+_UNSENDABLE = re.compile(r"[\x00-\x20\x7f]")
+
+
+def check_http_url(url: str) -> SplitResult:
+    """``url`` split, if it is an absolute http(s) URL that can be sent: a host, a port
+    1..65535 if one is given, no space or control character; else ValueError."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket
+        raise ValueError(f"not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an absolute http(s) URL")
+    if _UNSENDABLE.search(url):
+        raise ValueError("a URL has no spaces or control characters (percent-encode them)")
+    if not _valid_port(parts):
+        raise ValueError(f"not a port in {parts.netloc!r}: a number 1..65535")
+    return parts
+
+
+def _valid_port(parts: SplitResult) -> bool:
+    """True if ``parts`` has no port, or one of 1..65535 (``port`` raises ValueError for
+    one out of range or not a number, and is 0 for port 0)."""
+    try:
+        return parts.port != 0
+    except ValueError:
+        return False
+
+
 # Time allowed for one token endpoint call (proxy/auth/tokens.py), and so counted in the
 # longest a call can take.
 TOKEN_TIMEOUT_SECONDS = 10.0
@@ -75,10 +107,25 @@ class IssuerConfig(Strict):
                 )
         return algorithms
 
+    @field_validator("jwks_url")
+    @classmethod
+    def _jwks_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            check_http_url(url)
+        return url
+
     @model_validator(mode="after")
     def _keys_source(self) -> IssuerConfig:
         if (self.jwks_url is None) == (not self.discovery):
             raise ValueError("set exactly one of jwks_url and discovery: true")
+        if self.discovery:
+            try:
+                check_http_url(self.issuer)
+            except ValueError as exc:
+                raise ValueError(
+                    f"issuer: {exc} (with discovery: true, the keys are found at "
+                    "<issuer>/.well-known/openid-configuration)"
+                ) from None
         return self
 
 
@@ -90,6 +137,16 @@ class AuthConfig(Strict):
     jwks_ttl: Duration = DEFAULT_JWKS_TTL
     token_cache_key_env: str | None = None
     token_cache_entries: int = Field(default=DEFAULT_TOKEN_CACHE_ENTRIES, ge=1)
+
+    @field_validator("principal")
+    @classmethod
+    def _principal(cls, claims: tuple[str, ...]) -> tuple[str, ...]:
+        if not claims or not all(claim.strip() for claim in claims):
+            raise ValueError(
+                "one claim name at least, none empty: records are scoped by the claims' "
+                "values, and without one every caller would share them"
+            )
+        return claims
 
 
 class TokenMode(StrEnum):
@@ -118,6 +175,13 @@ class TokenConfig(Strict):
     retry_on_401: bool = False
     """Send a call once more, with a new token, when the tool answers 401. It assumes that a
     tool answering 401 did nothing: if it can act and then answer 401, a call runs twice."""
+
+    @field_validator("token_endpoint")
+    @classmethod
+    def _token_endpoint(cls, url: str | None) -> str | None:
+        if url is not None:
+            check_http_url(url)
+        return url
 
     @model_validator(mode="after")
     def _complete(self) -> TokenConfig:

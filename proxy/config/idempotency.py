@@ -20,6 +20,10 @@ DEFAULT_METHODS = ("POST", "PATCH")
 # The IN_PROGRESS lease; renewed every lock_ttl/3 while the upstream works.
 DEFAULT_LOCK_TTL = 120.0
 
+# The shortest lease: renewed every ~33 ms and taken as lost after 90 ms, a store round
+# trip or an event-loop pause of that order already lets it lapse.
+MIN_LOCK_TTL = 0.1
+
 # How long COMPLETED and FAILED outcomes are replayed.
 DEFAULT_RESULT_TTL = 24 * 3600.0
 
@@ -30,6 +34,10 @@ DEFAULT_RETRY_AFTER = 5.0
 # those that mean "not run". 502 and 504 are opt-in: behind an ingress, a mesh or a load
 # balancer they come after the tool may have run the call.
 DEFAULT_RELEASE_ON_STATUS = (408, 425, 429, 503)
+
+# The methods a reconcile look-up may use: it is a read, sent again on retries by every
+# proxy process, with no body.
+LOOKUP_METHODS = ("GET", "HEAD")
 
 # How long a reconcile look-up may take, and how often a proxy asks again about one FAILED
 # record when retries meet it (at least RECONCILE_INTERVAL apart).
@@ -73,7 +81,25 @@ class IdempotencyConfig(Strict):
     @field_validator("release_on_status")
     @classmethod
     def _statuses(cls, statuses: tuple[int, ...]) -> tuple[int, ...]:
-        return check_statuses(statuses)
+        for status in check_statuses(statuses):
+            if status < 200:
+                raise ValueError(f"{status} is informational: a tool's answer is never one")
+            if status < 300:
+                raise ValueError(
+                    f"{status} means the call ran: releasing its key would let the retry "
+                    "run it a second time"
+                )
+        return statuses
+
+    @field_validator("lock_ttl")
+    @classmethod
+    def _lease(cls, lock_ttl: float) -> float:
+        if lock_ttl < MIN_LOCK_TTL:
+            raise ValueError(
+                f"at least {MIN_LOCK_TTL * 1000:g}ms (the lease is renewed every third of it, "
+                "and a store round trip must fit in that)"
+            )
+        return lock_ttl
 
     @model_validator(mode="after")
     def _result_outlives_lease(self) -> IdempotencyConfig:
@@ -103,6 +129,11 @@ class ReconcileConfig(Strict):
     def _method(cls, method: str) -> str:
         if not METHOD.fullmatch(method.upper()):
             raise ValueError(f"not an HTTP method: {method!r}")
+        if method.upper() not in LOOKUP_METHODS:
+            raise ValueError(
+                f"{method.upper()} is not a read: the look-up is asked again on retries, by "
+                "every replica, and must change nothing (use GET or HEAD)"
+            )
         return method.upper()
 
     @field_validator("path")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 
@@ -63,9 +64,16 @@ class CostConfig(Strict):
     def _request(cls, value: float | str) -> float | str:
         if isinstance(value, str):
             return check_json_source(value)
+        if not math.isfinite(value):
+            raise ValueError("a cost must be a finite number")
         if value <= 0:
             raise ValueError("a cost must be positive")
         return value
+
+    def least(self) -> float | None:
+        """The least a call costs: ``request`` as a number; None for one read from the
+        request body (any number, 0 included)."""
+        return None if isinstance(self.request, str) else float(self.request)
 
     @field_validator("response")
     @classmethod
@@ -116,7 +124,27 @@ class LimitConfig(Strict):
         quota = self.quota_period()[0]
         if self.burst is not None and self.burst > quota:
             raise ValueError(f"burst must be at most the rate's quota ({quota:g})")
+        self._a_call_fits()
         return self
+
+    def _a_call_fits(self) -> None:
+        """ValueError if the rate's burst is below what every call costs: none could pass."""
+        if self.rate is None:
+            return
+        cost = 1.0 if self.cost is None else self.cost.least()
+        if cost is None:
+            return
+        quota, period = self.quota_period()
+        if self.burst is not None and self.burst < cost:
+            raise ValueError(
+                f"burst ({self.burst}) is below the {cost:g} a call costs: no call could ever pass"
+            )
+        if self.burst is None and quota < cost:
+            hint = f" (write {quota:g}/{period:g}s as 1/{period / quota:g}s)" if quota < 1 else ""
+            raise ValueError(
+                f"the rate's quota ({quota:g}), its burst, is below the {cost:g} a call "
+                f"costs: no call could ever pass{hint}"
+            )
 
     def quota_period(self) -> tuple[float, float]:
         """The rate as (units, seconds); (0, 0) for a concurrency limit."""
@@ -129,6 +157,11 @@ def parse_rate(rate: str) -> tuple[float, float]:
     if not slash or not _QUOTA.fullmatch(count.strip()):
         raise ValueError(f"not a rate: {rate!r} (use N/<duration>, e.g. 60/1m)")
     quota = float(count)
+    if not math.isfinite(quota):
+        raise ValueError("a rate's quota must be a finite number")
     if quota <= 0:
         raise ValueError("a rate's quota must be positive")
-    return quota, parse_duration(period.strip())
+    seconds = parse_duration(period.strip())
+    if seconds / quota <= 0:
+        raise ValueError(f"the period is too short for a quota of {quota:g}")
+    return quota, seconds

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from pydantic import (
     Field,
     field_validator,
     model_validator,
 )
 
-from proxy.config.auth import TOKEN_TIMEOUT_SECONDS, RouteAuthConfig, TokenConfig, TokenMode
+from proxy.config.auth import (
+    TOKEN_TIMEOUT_SECONDS,
+    RouteAuthConfig,
+    TokenConfig,
+    TokenMode,
+    check_http_url,
+)
 from proxy.config.cache import CacheConfig, CacheScope
 from proxy.config.fields import Duration, Strict, Wait, check_name
 from proxy.config.idempotency import IdempotencyConfig, ReconcileConfig
@@ -265,9 +269,12 @@ class RouteConfig(Strict):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, upstream: str) -> str:
-        parts = urlsplit(upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("not an absolute http(s) URL")
+        parts = check_http_url(upstream)
         if parts.query or parts.fragment:
             raise ValueError("an upstream is a base URL: no query or fragment")
+        if parts.username is not None:
+            raise ValueError(
+                "an upstream has no user or password: a URL reaches logs and traces, and "
+                "the client refuses credentials in it next to a caller's Authorization"
+            )
         return upstream.rstrip("/")
