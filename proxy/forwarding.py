@@ -5,8 +5,7 @@ measurement is in docs/benchmarks.md, "Upstream client"). This is the only modul
 imports aiohttp: swap the client here.
 
 aiohttp errors become ``UpstreamUnreachable`` when nothing can have reached the tool (no
-connection could be made, or the request could not be made at all: a URL or a header
-aiohttp refuses) and ``OutcomeUnknown`` otherwise (the request may have run).
+connection could be made) and ``OutcomeUnknown`` otherwise (the request may have run).
 """
 
 from __future__ import annotations
@@ -15,11 +14,9 @@ import functools
 import math
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp.connector import Connection
 from yarl import URL
 
 from proxy.asgi import RawHeaders
@@ -195,35 +192,6 @@ def _translated() -> Iterator[None]:
         ) from exc
 
 
-# True once aiohttp starts writing the request (``_Request.send``), in the sending task's
-# context: a ValueError raised before it means nothing was sent.
-_WRITING: ContextVar[bool] = ContextVar("tool_proxy_writing", default=False)
-
-
-class _Request(aiohttp.ClientRequest):
-    """aiohttp's request, marking the moment it starts to be written (``_WRITING``)."""
-
-    async def send(self, conn: Connection) -> aiohttp.ClientResponse:
-        _WRITING.set(True)
-        return await super().send(conn)
-
-
-@contextmanager
-def _unsent() -> Iterator[None]:
-    """A ValueError (a URL, a header or credentials aiohttp refuses) or a scheme it does
-    not speak, raised before the request started to be written: ``UpstreamUnreachable``,
-    nothing was sent. Once writing started, it is left to ``_translated``."""
-    _WRITING.set(False)
-    try:
-        yield
-    except (ValueError, aiohttp.NonHttpUrlClientError) as exc:
-        if _WRITING.get():
-            raise
-        raise UpstreamUnreachable(
-            f"the request to the upstream could not be made ({exc}); nothing was sent"
-        ) from exc
-
-
 def _timeout(seconds: float, connect_within: float | None = None) -> aiohttp.ClientTimeout:
     """``total`` bounds the whole exchange; ``connect`` bounds getting a connection (a free
     one from the pool, or DNS and a new one) and ends strictly first, so running out of
@@ -305,7 +273,7 @@ class Upstream:
         session = self._once if at_most_once else self._session
         assert session is not None, "Upstream.start() was not awaited"
         client_timeout = _timeout(seconds, connect_within)
-        with _translated(), _unsent():
+        with _translated():
             response = await session.request(
                 method,
                 URL(url, encoded=True),
@@ -325,7 +293,6 @@ class Upstream:
 def _session(connector: aiohttp.TCPConnector, *, owner: bool) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=connector,
-        request_class=_Request,
         connector_owner=owner,
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),

@@ -1,15 +1,9 @@
 from __future__ import annotations
 
-import asyncio
-from typing import NoReturn
-
-import aiohttp
-import pytest
 from multidict import CIMultiDict
 
 from proxy import forwarding
-from proxy.errors import UpstreamUnreachable
-from proxy.forwarding import Upstream, UpstreamResponse, request_headers, response_headers
+from proxy.forwarding import request_headers, response_headers
 from proxy.outcome import StoredResponse
 from proxy.replay import REPLAYED_HEADER, reply
 
@@ -112,89 +106,3 @@ def test_a_lease_bounds_the_connect_timeout_only_when_it_binds() -> None:
     assert forwarding._usual_timeout.cache_info().currsize == cached
     tiny_route = forwarding._timeout(1.0, 5.0)
     assert tiny_route.connect == 1.0 * forwarding.CONNECT_SHARE
-
-
-class _Tool:
-    """A raw HTTP server that counts the requests it reads and answers each 200."""
-
-    def __init__(self) -> None:
-        self.requests: list[bytes] = []
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._answer, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
-
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError:
-            return
-        self.requests.append(head)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-
-async def _send(url: str, headers: list[tuple[str, str]]) -> UpstreamResponse:
-    upstream = Upstream()
-    await upstream.start()
-    try:
-        answer = await upstream.send("POST", url, headers, b"{}", 5.0, at_most_once=True)
-        await answer.read()
-        return answer
-    finally:
-        await upstream.close()
-
-
-@pytest.mark.parametrize("base", ["http://127.0.0.1:99999", "http://127.0.0.1:abc"])
-def test_a_url_that_cannot_be_built_is_unreachable_not_unknown(base: str) -> None:
-    """A URL yarl refuses (a port out of range, or not a number) raised ValueError out of
-    the send: a guarded call was recorded FAILED, "may have been executed", though
-    nothing was sent. It is UpstreamUnreachable: the key is released."""
-    with pytest.raises(UpstreamUnreachable, match="nothing was sent"):
-        asyncio.run(_send(f"{base}/x", []))
-
-
-def test_a_request_aiohttp_refuses_before_writing_is_unreachable() -> None:
-    """Credentials in the URL next to an Authorization header: aiohttp raises ValueError
-    before it connects. Nothing reached the tool, so the key is released."""
-
-    async def run() -> list[bytes]:
-        tool = _Tool()
-        async with tool as url:
-            with_user = url.replace("http://", "http://user:pw@")
-            with pytest.raises(UpstreamUnreachable, match="nothing was sent"):
-                await _send(f"{with_user}/x", [("Authorization", "Bearer t")])
-            assert (await _send(f"{url}/x", [])).status == 200  # the tool is there
-        return tool.requests
-
-    assert len(asyncio.run(run())) == 1
-
-
-def test_a_value_error_once_the_request_is_written_stays_unknown(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Once aiohttp has started writing the request, a ValueError may come after the tool
-    got it: it is not taken for "nothing was sent"."""
-
-    async def broken(self: aiohttp.ClientResponse, connection: object) -> NoReturn:
-        await asyncio.sleep(0.1)  # the request is written (and read by the tool)
-        raise ValueError("read after the request was written")
-
-    monkeypatch.setattr(aiohttp.ClientResponse, "start", broken)
-
-    async def run() -> list[bytes]:
-        tool = _Tool()
-        async with tool as url:
-            with pytest.raises(ValueError, match="read after") as raised:
-                await _send(f"{url}/x", [])
-            assert not isinstance(raised.value, UpstreamUnreachable)
-        return tool.requests
-
-    assert len(asyncio.run(run())) == 1
