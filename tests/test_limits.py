@@ -148,6 +148,22 @@ def test_a_call_costing_more_than_the_burst_is_refused_without_a_store_call(
     assert tool.total == 0
 
 
+@pytest.mark.parametrize("tokens", [b"NaN", b"Infinity", b"1e400", b"1" + b"0" * 400])
+def test_a_cost_that_is_no_finite_number_is_unreadable_and_costs_one(
+    make_proxy: ProxyFactory, tool: CountingTool, tokens: bytes
+) -> None:
+    """Python's JSON reader takes NaN and reads 1e400 as infinity: such a cost is read as
+    none (cost 1, logged), never passed on to the bucket's arithmetic."""
+    tpm = {"name": "tpm", "rate": "100/1m", "cost": {"request": "json:/max_tokens"}}
+    proxy = make_proxy(limited(tool.url, tpm, guarded=False))
+    body = b'{"prompt": "x", "max_tokens": ' + tokens + b"}"
+    sent = {"content-type": "application/json"}
+    answer = httpx.post(proxy.url + "/tools/llm", content=body, headers=sent)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["ratelimit"].startswith('"tpm";r=99;')
+    assert tool.total == 1
+
+
 # -- configuration -------------------------------------------------------------------------
 
 

@@ -492,9 +492,15 @@ def pointed(body: bytes, pointer: str) -> Any:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    """A cost read from a body: a finite number, zero or more (Python's JSON reader takes
+    ``NaN`` and reads ``1e400`` as infinity); None for anything else (unreadable)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return number if math.isfinite(number) and number >= 0 else None
 
 
 def _delay(admission: Admission) -> float:
