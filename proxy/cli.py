@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import getpass
 import json
+import math
 import os
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from proxy import records
 from proxy.auth.sealing import load_key
 from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
+from proxy.config.server import MAX_PORT, MIN_PORT, check_listen_host
 from proxy.errors import (
     ConfigError,
     InvalidField,
@@ -56,10 +58,28 @@ def _load(path: str | None) -> Config:
     return config
 
 
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The problems of serve's own flags (each named), before anything is started."""
+    problems = []
+    if args.host is not None:
+        try:
+            check_listen_host(args.host)
+        except ValueError as exc:
+            problems.append(f"--host: {exc}")
+    if args.port is not None and not MIN_PORT <= args.port <= MAX_PORT:
+        problems.append(f"--port: must be a port number from {MIN_PORT} to {MAX_PORT}")
+    if args.workers < 1:
+        problems.append("--workers: must be at least 1")
+    graceful = args.graceful_timeout
+    if graceful is not None and not (math.isfinite(graceful) and graceful > 0):
+        problems.append("--graceful-timeout: must be a positive, finite number of seconds")
+    return problems
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
-    if args.workers < 1:
-        return _fail(["--workers: must be at least 1"])
+    if problems := _serve_flags(args):
+        return _fail(problems)
     if args.workers > 1 and config.store.url.startswith("memory://"):
         return _fail(
             [
@@ -77,10 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
         # every worker writes its metrics here, so one scrape sees the whole server
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
-    if args.graceful_timeout is not None and args.graceful_timeout <= 0:
-        return _fail(["--graceful-timeout: must be a positive number of seconds"])
-    host = args.host or config.server.host
-    port = args.port or config.server.port
+    host = args.host if args.host is not None else config.server.host
+    port = args.port if args.port is not None else config.server.port
     graceful = args.graceful_timeout or shutdown_seconds(config)
     limit = config.limits.max_header_bytes
     serve(args.config, host, port, args.workers, args.log_level, graceful, limit)
