@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -233,6 +234,56 @@ def test_check_config_names_the_server_host(tmp_path: Path) -> None:
     result = cli("check-config", write(tmp_path, {**GOOD, "server": {"host": "http://localhost"}}))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error: server.host: not a host name or an IP address" in result.stderr
+
+
+def _secret_configs(path: str) -> list[tuple[dict[str, Any], str]]:
+    """A configuration reading the secret at ``path`` and the field it is read for: the
+    admin token, a route's client secret."""
+    token = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp.example/token",
+        "client_id": "tool-proxy",
+        "client_secret_file": path,
+    }
+    routed = {**GOOD, "routes": [{**GOOD["routes"][0], "token": token}]}  # type: ignore[index]
+    return [
+        ({**GOOD, "admin": {"token_file": path}}, "admin.token_file: "),
+        (routed, "routes[0].token.client_secret_file: "),
+    ]
+
+
+def test_check_config_names_a_secret_file_that_is_not_text(tmp_path: Path) -> None:
+    """A file of random bytes (``openssl rand 32 > FILE``) and a path holding a NUL byte
+    were a UnicodeDecodeError and a ValueError."""
+    binary = tmp_path / "random"
+    binary.write_bytes(b"\xff\xfe" + bytes(range(30)))
+    for path, said in (
+        (str(binary), f"{binary} is not UTF-8 text (byte 0)"),
+        (f"{tmp_path}/a\x00b", "cannot be read (the path holds a NUL byte)"),
+    ):
+        for config, field in _secret_configs(path):
+            result = cli("check-config", write(tmp_path, config))
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert f"error: {field}" in result.stderr and said in result.stderr
+
+
+def test_check_config_names_a_secret_variable_that_is_not_text(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 in the environment (lone surrogates to Python) could be no
+    request's bearer token or form field."""
+    token = {
+        "mode": "client_credentials",
+        "token_endpoint": "https://idp.example/token",
+        "client_id": "tool-proxy",
+        "client_secret_env": "TP_SECRET",
+    }
+    for config, field in (
+        ({**GOOD, "admin": {"token_env": "TP_SECRET"}}, "admin.token_env"),
+        ({**GOOD, "routes": [{**GOOD["routes"][0], "token": token}]}, "routes[0].token."),  # type: ignore[index]
+    ):
+        result = cli("check-config", write(tmp_path, config), env={"TP_SECRET": "s\udcff"})
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        expected = f"{field}client_secret_env" if field.endswith(".") else field
+        assert f"error: {expected}: environment variable TP_SECRET is not UTF-8" in result.stderr
 
 
 def test_demo_lines_work_in_a_fresh_shell_and_its_console_shows_the_plan() -> None:
