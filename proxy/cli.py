@@ -80,6 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if problems := _serve_flags(args):
         return _fail(problems)
+    try:
+        _make_store(config)  # a URL no store can be made of, named before the workers start
+    except InvalidField as exc:
+        return _fail([exc.detail])
     if args.workers > 1 and config.store.url.startswith("memory://"):
         return _fail(
             [
@@ -214,11 +218,32 @@ def _check_records_flags(args: argparse.Namespace) -> None:
         args.response = _answer(args)
 
 
+def _make_store(config: Config) -> Store:
+    """The configured store, not yet opened; ``InvalidField`` naming ``store.url`` when its
+    URL makes none (the configuration's own checks are the first line of defence)."""
+    from redis.exceptions import RedisError  # redis-py's, for some options of a URL
+
+    try:
+        return make_store(config.store.url, config.store.durable())
+    except (ValueError, RedisError, ProxyError) as exc:
+        detail = exc.detail if isinstance(exc, ProxyError) else str(exc)
+        raise InvalidField("store.url", detail) from None
+
+
+async def _open_store(config: Config) -> Store:
+    """The configured store, opened (a store that cannot be reached raises as it does)."""
+    store = _make_store(config)
+    try:
+        await store.open()
+    except ValueError as exc:
+        raise InvalidField("store.url", str(exc)) from None
+    return store
+
+
 async def _records(args: argparse.Namespace, config: Config) -> Any:
     """Run one records command against the configured store; its JSON result."""
     _check_records_flags(args)
-    store = make_store(config.store.url, config.store.durable())
-    await store.open()
+    store = await _open_store(config)
     try:
         return await _change(args, records.Records(store, config.routes, _audit_log()))
     finally:
@@ -320,8 +345,7 @@ async def _operations(args: argparse.Namespace, config: Config) -> Any:
         if state is None:
             raise InvalidField("--state", f"one of {', '.join(STATES)}")
     limit = parse_limit(getattr(args, "limit", None), "--limit")
-    store = make_store(config.store.url, config.store.durable())
-    await store.open()
+    store = await _open_store(config)
     try:
         queue = make_queue(store)
         if args.action == "list":

@@ -286,6 +286,28 @@ def test_check_config_names_a_secret_variable_that_is_not_text(tmp_path: Path) -
         assert f"error: {expected}: environment variable TP_SECRET is not UTF-8" in result.stderr
 
 
+ASYNC_ROUTE = {**GOOD["routes"][0], "async": {"credentials": "clear"}}  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("command", "url"),
+    [
+        (command, url)
+        for command in ("records", "operations", "serve")
+        for url in ("redis://h:abc/0", "rediss://h:6379/0?ssl_cert_reqs=bogus")
+    ]
+    + [("records", "sqlite:///tmp/a\x00b.db"), ("operations", "sqlite:///tmp/a\x00b.db")],
+)
+def test_a_store_url_no_store_is_made_of_is_named(command: str, url: str, tmp_path: Path) -> None:
+    """Its store's own error (a port that is not a number, a NUL byte in the path) was a
+    traceback; the configuration's checks may name it first, this is the last line."""
+    config = write(tmp_path, {"store": {"url": url}, "routes": [ASYNC_ROUTE]})
+    argv = ["serve", "--config", config] if command == "serve" else [command, "list"]
+    result = cli(*argv, "--config", config, timeout=20)
+    assert result.returncode == 2, result.stderr
+    assert "error: store.url: " in result.stderr and "Traceback" not in result.stderr
+
+
 def test_demo_lines_work_in_a_fresh_shell_and_its_console_shows_the_plan() -> None:
     demo = subprocess.Popen(
         [
