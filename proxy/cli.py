@@ -18,7 +18,7 @@ import structlog
 
 from proxy import records
 from proxy.auth.sealing import load_key
-from proxy.auth.tokens import load_secrets
+from proxy.auth.tokens import is_text, load_secrets
 from proxy.config import Config, load_config
 from proxy.config.server import MAX_PORT, MIN_PORT, check_listen_host
 from proxy.errors import (
@@ -204,8 +204,20 @@ def _answer(args: argparse.Namespace) -> StoredResponse:
     return records.answer(args.status, headers, body, flags.__getitem__)
 
 
+def _check_text(args: argparse.Namespace) -> None:
+    """``InvalidField`` for an argument of a records or operations command that is not UTF-8
+    (the shell passes any bytes; Python keeps those as lone surrogates, which no store takes
+    and the HTTP API never sees)."""
+    for name in (*records.FILTERS, "cursor", "id", "reason", "header"):
+        value = getattr(args, name, None)
+        texts = value if isinstance(value, list) else [value]
+        if any(isinstance(text, str) and not is_text(text) for text in texts):
+            raise InvalidField("ID" if name == "id" else _flag(name), "not UTF-8 text")
+
+
 def _check_records_flags(args: argparse.Namespace) -> None:
     """Every flag of a records command checked before the store is opened."""
+    _check_text(args)
     if args.action == "resolve" and args.outcome == "released":
         given = [f for f, v in (("--status", args.status), ("--body-file", args.body_file)) if v]
         if given or args.header:
@@ -336,14 +348,21 @@ def _add_records(sub: Any) -> None:
 async def _operations(args: argparse.Namespace, config: Config) -> Any:
     """Run one operations command against the configured store; its JSON result."""
     from proxy.jobs import listing, requeue
-    from proxy.operations import STATES, parse_limit
+    from proxy.operations import STATES, check_cursor, is_operation_id, parse_limit
     from proxy.store import JobState, make_queue
 
+    _check_text(args)
     state = None
     if args.action == "list" and args.state is not None:
         state = STATES.get(args.state)
         if state is None:
             raise InvalidField("--state", f"one of {', '.join(STATES)}")
+    if args.action == "list":
+        check_cursor(args.cursor, "--cursor")
+    else:
+        if not is_operation_id(args.id):
+            raise InvalidField("ID", "not an operation id")
+        args.reason = records.check_reason(args.reason, "--reason")
     limit = parse_limit(getattr(args, "limit", None), "--limit")
     store = await _open_store(config)
     try:

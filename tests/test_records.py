@@ -251,6 +251,11 @@ def test_cli_releases_a_failed_record(
         (["resolve", "ID0", "--as", "completed", "--status", "700", "--reason", "r"], "--status"),
         (["resolve", "ID0", "--as", "released", "--reason", " "], "--reason"),
         (["delete", "ID0"], "--reason"),
+        # Bytes from the shell that are not UTF-8 (lone surrogates): the store refused them
+        # with a traceback.
+        (["list", "--route", "t", "--principal", "p", "--plan", "\udcff"], "--plan: not UTF-8"),
+        (["list", "--cursor", "\udcff"], "--cursor"),
+        (["delete", "ID0", "--reason", "\udcff"], "--reason: not UTF-8 text"),
     ],
 )
 def test_cli_names_the_bad_flag(
