@@ -19,7 +19,6 @@ import hmac
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from starlette.datastructures import Secret
@@ -29,6 +28,7 @@ from starlette.routing import Route
 
 from proxy import records
 from proxy.auth.callers import Authenticator, Caller, bearer_token
+from proxy.auth.tokens import is_text, read_secret_file
 from proxy.config import AdminConfig, Config, RouteConfig
 from proxy.errors import (
     ConfigError,
@@ -53,12 +53,14 @@ def load_admin_token(config: AdminConfig) -> Secret | None:
     if config.token_env is not None:
         value = os.environ.get(config.token_env, "").strip()
         field = f"admin.token_env: environment variable {config.token_env}"
+        if not is_text(value):
+            raise ConfigError([f"{field} is not UTF-8 text"])
     elif config.token_file is not None:
         field = f"admin.token_file: {config.token_file}"
         try:
-            value = Path(config.token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError([f"{field} cannot be read ({exc.strerror})"]) from None
+            value = read_secret_file("admin.token_file", config.token_file)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None
     else:
         return None
     if not value:

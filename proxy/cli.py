@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import getpass
 import json
+import math
 import os
 import sys
 import tempfile
@@ -17,8 +18,9 @@ import structlog
 
 from proxy import records
 from proxy.auth.sealing import load_key
-from proxy.auth.tokens import load_secrets
+from proxy.auth.tokens import is_text, load_secrets
 from proxy.config import Config, load_config
+from proxy.config.server import MAX_PORT, MIN_PORT, check_listen_host
 from proxy.errors import (
     ConfigError,
     InvalidField,
@@ -56,10 +58,32 @@ def _load(path: str | None) -> Config:
     return config
 
 
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The problems of serve's own flags (each named), before anything is started."""
+    problems = []
+    if args.host is not None:
+        try:
+            check_listen_host(args.host)
+        except ValueError as exc:
+            problems.append(f"--host: {exc}")
+    if args.port is not None and not MIN_PORT <= args.port <= MAX_PORT:
+        problems.append(f"--port: must be a port number from {MIN_PORT} to {MAX_PORT}")
+    if args.workers < 1:
+        problems.append("--workers: must be at least 1")
+    graceful = args.graceful_timeout
+    if graceful is not None and not (math.isfinite(graceful) and graceful > 0):
+        problems.append("--graceful-timeout: must be a positive, finite number of seconds")
+    return problems
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
-    if args.workers < 1:
-        return _fail(["--workers: must be at least 1"])
+    if problems := _serve_flags(args):
+        return _fail(problems)
+    try:
+        _make_store(config)  # a URL no store can be made of, named before the workers start
+    except InvalidField as exc:
+        return _fail([exc.detail])
     if args.workers > 1 and config.store.url.startswith("memory://"):
         return _fail(
             [
@@ -77,10 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and not os.environ.get(ENV_MULTIPROC_DIR):
         # every worker writes its metrics here, so one scrape sees the whole server
         os.environ[ENV_MULTIPROC_DIR] = tempfile.mkdtemp(prefix="tool-proxy-metrics-")
-    if args.graceful_timeout is not None and args.graceful_timeout <= 0:
-        return _fail(["--graceful-timeout: must be a positive number of seconds"])
-    host = args.host or config.server.host
-    port = args.port or config.server.port
+    host = args.host if args.host is not None else config.server.host
+    port = args.port if args.port is not None else config.server.port
     graceful = args.graceful_timeout or shutdown_seconds(config)
     limit = config.limits.max_header_bytes
     serve(args.config, host, port, args.workers, args.log_level, graceful, limit)
@@ -182,8 +204,20 @@ def _answer(args: argparse.Namespace) -> StoredResponse:
     return records.answer(args.status, headers, body, flags.__getitem__)
 
 
+def _check_text(args: argparse.Namespace) -> None:
+    """``InvalidField`` for an argument of a records or operations command that is not UTF-8
+    (the shell passes any bytes; Python keeps those as lone surrogates, which no store takes
+    and the HTTP API never sees)."""
+    for name in (*records.FILTERS, "cursor", "id", "reason", "header"):
+        value = getattr(args, name, None)
+        texts = value if isinstance(value, list) else [value]
+        if any(isinstance(text, str) and not is_text(text) for text in texts):
+            raise InvalidField("ID" if name == "id" else _flag(name), "not UTF-8 text")
+
+
 def _check_records_flags(args: argparse.Namespace) -> None:
     """Every flag of a records command checked before the store is opened."""
+    _check_text(args)
     if args.action == "resolve" and args.outcome == "released":
         given = [f for f, v in (("--status", args.status), ("--body-file", args.body_file)) if v]
         if given or args.header:
@@ -196,11 +230,32 @@ def _check_records_flags(args: argparse.Namespace) -> None:
         args.response = _answer(args)
 
 
+def _make_store(config: Config) -> Store:
+    """The configured store, not yet opened; ``InvalidField`` naming ``store.url`` when its
+    URL makes none (the configuration's own checks are the first line of defence)."""
+    from redis.exceptions import RedisError  # redis-py's, for some options of a URL
+
+    try:
+        return make_store(config.store.url, config.store.durable())
+    except (ValueError, RedisError, ProxyError) as exc:
+        detail = exc.detail if isinstance(exc, ProxyError) else str(exc)
+        raise InvalidField("store.url", detail) from None
+
+
+async def _open_store(config: Config) -> Store:
+    """The configured store, opened (a store that cannot be reached raises as it does)."""
+    store = _make_store(config)
+    try:
+        await store.open()
+    except ValueError as exc:
+        raise InvalidField("store.url", str(exc)) from None
+    return store
+
+
 async def _records(args: argparse.Namespace, config: Config) -> Any:
     """Run one records command against the configured store; its JSON result."""
     _check_records_flags(args)
-    store = make_store(config.store.url, config.store.durable())
-    await store.open()
+    store = await _open_store(config)
     try:
         return await _change(args, records.Records(store, config.routes, _audit_log()))
     finally:
@@ -293,17 +348,23 @@ def _add_records(sub: Any) -> None:
 async def _operations(args: argparse.Namespace, config: Config) -> Any:
     """Run one operations command against the configured store; its JSON result."""
     from proxy.jobs import listing, requeue
-    from proxy.operations import STATES, parse_limit
+    from proxy.operations import STATES, check_cursor, is_operation_id, parse_limit
     from proxy.store import JobState, make_queue
 
+    _check_text(args)
     state = None
     if args.action == "list" and args.state is not None:
         state = STATES.get(args.state)
         if state is None:
             raise InvalidField("--state", f"one of {', '.join(STATES)}")
+    if args.action == "list":
+        check_cursor(args.cursor, "--cursor")
+    else:
+        if not is_operation_id(args.id):
+            raise InvalidField("ID", "not an operation id")
+        args.reason = records.check_reason(args.reason, "--reason")
     limit = parse_limit(getattr(args, "limit", None), "--limit")
-    store = make_store(config.store.url, config.store.durable())
-    await store.open()
+    store = await _open_store(config)
     try:
         queue = make_queue(store)
         if args.action == "list":

@@ -48,7 +48,9 @@ HEARTBEAT_SECONDS = 15.0
 POLL_AFTER_SECONDS = 1
 STATES = {state.value: state for state in JobState}
 MAX_LIST = 1000
-_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,64}")  # an operation id (jobs.py: token_urlsafe)
+# What a listing's cursor is: an operation id (store/queue.py new_job_id: its route's
+# shard, "~", token_urlsafe), or a shard and "~" alone (where a Redis listing goes on).
+_CURSOR = re.compile(r"[0-9a-f]{16}~[A-Za-z0-9_-]{0,64}")
 
 Caller = Callable[[Incoming, RouteConfig], Awaitable[tuple[str, str]]]
 """The caller's principal on a route (``app.Proxy._caller``); raises 401."""
@@ -160,9 +162,7 @@ class Operations:
             if state is None:
                 raise InvalidField("state", f"one of {', '.join(STATES)}")
         limit = parse_limit(query.get("limit"))
-        after = query.get("cursor", "")
-        if after and not _CURSOR.fullmatch(after):
-            raise InvalidField("cursor", "must be the next_cursor of an earlier page")
+        after = check_cursor(query.get("cursor", ""))
         cursor, page = await self.queue.list(state, after, limit)
         return JSONResponse(
             {
@@ -206,6 +206,19 @@ def _last_event_id(request: Request) -> int:
 def parse_limit(value: str | None, field: str = "limit") -> int:
     """A page size from 1 to MAX_LIST (100 when not given); 400 naming ``field``."""
     return numbers.parse_limit(value, field, MAX_LIST, 100)
+
+
+def check_cursor(value: str, field: str = "cursor") -> str:
+    """``value`` if it may be the next_cursor of an earlier page ("": the first page);
+    400 naming ``field``."""
+    if value and not _CURSOR.fullmatch(value):
+        raise InvalidField(field, "must be the next_cursor of an earlier page")
+    return value
+
+
+def is_operation_id(value: str) -> bool:
+    """True if ``value`` may be an operation's id (it may still name none)."""
+    return _CURSOR.fullmatch(value) is not None and not value.endswith("~")
 
 
 def operation_routes(

@@ -52,6 +52,7 @@ OPAQUE = "-"
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
 _HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+_SECONDS = re.compile(r"[0-9]{1,18}(?:\.[0-9]{1,9})?")
 _NOT_STORED = PROBLEM_BASE + ResponseNotStored.slug
 FILTERS = ("route", "plan", "state", "principal", "older_than", "newer_than")
 
@@ -253,10 +254,11 @@ def parse_filter(raw: Mapping[str, str | None], flag: Flag = _as_is) -> Filter:
 
 
 def _duration(value: str | None, field: str) -> float | None:
+    """A duration such as ``10m``, or a plain number of seconds (``600``)."""
     if value is None:
         return None
     try:
-        return parse_duration(value)
+        return parse_duration(float(value) if _SECONDS.fullmatch(value) else value)
     except ValueError as exc:
         raise InvalidField(field, str(exc)) from None
 
@@ -365,7 +367,12 @@ def answer(
         if not _HEADER_NAME.fullmatch(name):
             raise InvalidField(flag("headers"), f"{name!r} is not a header name")
         if not _HEADER_VALUE.fullmatch(value):
-            raise InvalidField(flag("headers"), f"the value of {name!r} holds control characters")
+            problem = (
+                "is not Latin-1 text (a header value is bytes; ASCII is safest)"
+                if max(value) > "\xff"
+                else "holds control characters"
+            )
+            raise InvalidField(flag("headers"), f"the value of {name!r} {problem}")
         raw.append((name.lower().encode(), value.encode("latin-1")))
     return StoredResponse.of(status, raw, body)
 

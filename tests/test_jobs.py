@@ -756,6 +756,90 @@ def test_the_cli_lists_dead_operations_and_requeues_them(
         assert tool.calls[key] == 2
 
 
+def _operations_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any, str]:
+    """``tool-proxy operations ...`` in this process: exit code, JSON output, stderr."""
+    capsys.readouterr()
+    code = cli_main(["operations", *argv])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if out.strip() else None, err
+
+
+@pytest.mark.parametrize("store_url", ["memory", "sqlite", "redis"], indirect=True)
+def test_the_operations_listing_goes_on_from_its_next_cursor(
+    store_url: str,
+    tool: CountingTool,
+    make_proxy: ProxyFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A page's next_cursor (an operation id, or on Redis a route's shard and "~") is taken
+    back by the admin API and the CLI: it was refused as not one (400)."""
+    monkeypatch.setenv("ADMIN_TOKEN", "operator-secret")
+    specs = [long_route(tool.url), long_route(tool.url, name="other", path_prefix="/other")]
+    proxy = make_proxy(*specs, store=store_url, admin={"token_env": "ADMIN_TOKEN"})
+    ids = set()
+    for step, path in enumerate(("/tools/run", "/other/run"), 1):
+        key = new_key(BODY, step)
+        sent = {"content-type": "application/json", "idempotency-key": key, **ASYNC}
+        accepted = httpx.post(proxy.url + path, content=json.dumps(BODY), headers=sent)
+        ids.add(until(proxy.url, accepted.headers["location"], "completed")["id"])
+    admin, listed, cursor = {"authorization": "Bearer operator-secret"}, set(), ""
+    for _ in range(5):
+        page = httpx.get(
+            proxy.url + "/_proxy/admin/operations",
+            params={"limit": 1, "cursor": cursor},
+            headers=admin,
+        )
+        assert page.status_code == 200, page.text
+        listed |= {o["id"] for o in page.json()["operations"]}
+        cursor = page.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert listed == ids
+    if store_url == "memory://":
+        return  # the CLI's store is another process's
+    config = tmp_path / "proxy.yaml"
+    stored = {"url": store_url, "sealing_key_env": SEALING_ENV}
+    config.write_text(yaml.safe_dump({"store": stored, "routes": specs}))
+    code, first, err = _operations_cli(capsys, "list", "--config", str(config), "--limit", "1")
+    assert code == 0 and first["next_cursor"], err
+    code, rest, err = _operations_cli(
+        capsys, "list", "--config", str(config), "--cursor", first["next_cursor"], "--all"
+    )
+    assert code == 0, err
+    assert {o["id"] for o in first["operations"] + rest["operations"]} == ids
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["list", "--cursor", "\udcff"], "--cursor: "),  # a byte 0xff from the shell
+        (["list", "--cursor", "garbage"], "--cursor: must be the next_cursor"),
+        (["list", "--cursor", "0123456789abcdef~x y"], "--cursor: must be the next_cursor"),
+        (["list", "--state", "\udcff"], "--state: "),
+        (["requeue", "\udcff", "--reason", "x"], "ID: "),
+        (["requeue", "garbage", "--reason", "x"], "ID: not an operation id"),
+        (["requeue", "OP", "--reason", ""], "--reason: required"),
+        (["requeue", "OP", "--reason", "  "], "--reason: required"),
+        (["requeue", "OP", "--reason", "\udcff"], "--reason: not UTF-8 text"),
+    ],
+)
+def test_the_operations_cli_names_a_bad_flag_as_the_admin_api_does(
+    argv: list[str], flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before the store is opened, as the HTTP API checks them: no traceback from
+    the store (a lone surrogate), no empty page for a cursor no listing gave, no requeue
+    without a reason."""
+    config = tmp_path / "proxy.yaml"
+    stored = {"url": f"sqlite://{tmp_path}/s.db", "sealing_key_env": SEALING_ENV}
+    config.write_text(yaml.safe_dump({"store": stored, "routes": [long_route("http://x:9")]}))
+    argv = [new_job_id("tool") if a == "OP" else a for a in argv]
+    code, _, err = _operations_cli(capsys, argv[0], "--config", str(config), *argv[1:])
+    assert code == 2, err
+    assert f"error: {flag}" in err and "Traceback" not in err
+
+
 # -- the second review's findings -----------------------------------------------------------
 
 
@@ -852,6 +936,9 @@ def test_bad_numbers_and_cursors_are_problems_not_errors(
             proxy.url + "/_proxy/admin/operations?limit=" + "1" * 5000, headers=admin
         ),
         "cursor ²": httpx.get(proxy.url + "/_proxy/admin/operations?cursor=%C2%B2", headers=admin),
+        "cursor, not an operation id": httpx.get(
+            proxy.url + "/_proxy/admin/operations?cursor=garbage", headers=admin
+        ),
         "records limit ²": httpx.get(
             proxy.url + "/_proxy/admin/records?limit=%C2%B2", headers=admin
         ),

@@ -208,6 +208,9 @@ def test_cli_releases_a_failed_record(
     assert listed["records"] == []
 
 
+RESOLVE_200 = ["resolve", "ID0", "--as", "completed", "--status", "200", "--reason", "r"]
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -252,6 +255,20 @@ def test_cli_releases_a_failed_record(
         (["resolve", "ID0", "--as", "completed", "--status", "700", "--reason", "r"], "--status"),
         (["resolve", "ID0", "--as", "released", "--reason", " "], "--reason"),
         (["delete", "ID0"], "--reason"),
+        # Bytes from the shell that are not UTF-8 (lone surrogates): the store refused them
+        # with a traceback.
+        (["list", "--route", "t", "--principal", "p", "--plan", "\udcff"], "--plan: not UTF-8"),
+        (["list", "--cursor", "\udcff"], "--cursor"),
+        (["delete", "ID0", "--reason", "\udcff"], "--reason: not UTF-8 text"),
+        (["list", "--older-than", "5 min"], "--older-than: not a duration: '5 min'"),
+        (
+            [*RESOLVE_200, "--header", "x: \u20ac"],
+            "--header: the value of 'x' is not Latin-1 text",
+        ),
+        (
+            [*RESOLVE_200, "--header", "x: a\x01b"],
+            "--header: the value of 'x' holds control characters",
+        ),
     ],
 )
 def test_cli_names_the_bad_flag(
@@ -267,3 +284,24 @@ def test_cli_names_the_bad_flag(
     code, _, err = run(capsys, argv[0], "--config", str(config), *argv[1:])
     assert code == 2, err
     assert flag in err and "Traceback" not in err
+
+
+def test_an_age_is_a_duration_or_a_number_of_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the message for one that is neither says: ``--older-than 5`` was refused with
+    "use a number of seconds"."""
+    config = tmp_path / "proxy.yaml"
+    spec = route("http://127.0.0.1:9")
+    config.write_text(
+        yaml.safe_dump({"store": {"url": f"sqlite://{tmp_path}/s.db"}, "routes": [spec]})
+    )
+    for flag, value in (("--older-than", "5"), ("--newer-than", "1.5"), ("--older-than", "2m")):
+        code, listed, err = run(capsys, "list", "--config", str(config), flag, value)
+        assert code == 0 and listed["records"] == [], err
+    assert records.parse_filter({"older_than": "600", "newer_than": "7d"}) == records.Filter(
+        older_than=600.0, newer_than=7 * 86400.0
+    )
+    for value in ("0", "-5", "5 s s", "\u0665"):  # an Arabic-Indic five: not a number here
+        with pytest.raises(InvalidField):
+            records.parse_filter({"older_than": value})

@@ -81,18 +81,46 @@ class _Cached:
     refresh_expires_at: float = 0.0
 
 
+def read_secret_file(field: str, path: str) -> str:
+    """The text of the secret file at ``path``, stripped; ``ValueError`` saying, after
+    ``field``, why it cannot be read (a missing file, bytes that are not UTF-8, a path
+    holding a NUL byte)."""
+    shown = f"{field}: {path if path.isprintable() else repr(path)}"
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"{shown} cannot be read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{shown} is not UTF-8 text (byte {exc.start})") from None
+    except ValueError:  # raised before the file is opened
+        why = "a NUL byte" if "\x00" in path else "a character this file system cannot encode"
+        raise ValueError(f"{shown} cannot be read (the path holds {why})") from None
+
+
+def is_text(value: str) -> bool:
+    """False for text the system passed that is not UTF-8 (the environment, a command
+    line): Python keeps such bytes as lone surrogates, which no request or store takes."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def load_secret(config: TokenConfig) -> Secret | str:
     """The client secret, or a problem naming the field when it cannot be read."""
     if config.client_secret_env:
         value = os.environ.get(config.client_secret_env)
         field = f"client_secret_env: environment variable {config.client_secret_env}"
+        if value and not is_text(value):
+            return f"{field} is not UTF-8 text"
     else:
         assert config.client_secret_file is not None
         field = f"client_secret_file: {config.client_secret_file}"
         try:
-            value = Path(config.client_secret_file).read_text().strip()
-        except OSError as exc:
-            return f"{field} cannot be read ({exc.strerror})"
+            value = read_secret_file("client_secret_file", config.client_secret_file)
+        except ValueError as exc:
+            return str(exc)
     return Secret(value) if value else f"{field} is empty or not set"
 
 

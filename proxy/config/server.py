@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 from pydantic import (
     Field,
     field_validator,
@@ -14,6 +17,15 @@ from proxy.hosts import check_host_entry, check_origin_entry
 DEFAULT_HOST = "0.0.0.0"
 
 DEFAULT_PORT = 8080
+
+# The ports `serve` may listen on (server.port, --port).
+MIN_PORT = 1
+MAX_PORT = 65535
+
+# A host name `serve` may listen on: dot-separated labels of letters, digits, "-" (not at
+# either end) and "_" (container names have them), an optional final dot.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 
 # Request bodies above this get 413 and are never forwarded (10 MiB).
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -35,15 +47,38 @@ DEFAULT_MAX_HEADER_BYTES = 60 * 1024
 MIN_HEADER_BYTES = 1024
 
 
+def check_listen_host(host: str) -> str:
+    """``host`` if `serve` may listen on it: an IP address (IPv6 without brackets) or a host
+    name; else ``ValueError`` saying why (a URL, a port, a path, a character no name has)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if host.startswith("[") and host.endswith("]"):
+        raise ValueError(f"write an IPv6 address without brackets: {host[1:-1]!r}")
+    last = host.rstrip(".").rpartition(".")[2]
+    if len(host) <= 253 and _HOST_NAME.fullmatch(host) and not last.isdigit():
+        return host
+    if not host:
+        raise ValueError("empty: give a host name or an IP address (0.0.0.0: every interface)")
+    raise ValueError(f"not a host name or an IP address (no scheme, port or path): {host!r}")
+
+
 class ServerConfig(Strict):
     """Where `serve` listens, and the Host and Origin it answers (``proxy/hosts.py``)."""
 
     host: str = DEFAULT_HOST
-    port: int = Field(default=DEFAULT_PORT, ge=1, le=65535)
+    port: int = Field(default=DEFAULT_PORT, ge=MIN_PORT, le=MAX_PORT)
     allowed_hosts: tuple[str, ...] | None = None
     """None: loopback names when bound to loopback, else every Host."""
     allowed_origins: tuple[str, ...] | None = None
     """None: the origins of the allowed Hosts (every Origin if every Host)."""
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        return check_listen_host(host)
 
     @field_validator("allowed_hosts")
     @classmethod
