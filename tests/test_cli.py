@@ -233,7 +233,8 @@ def test_check_config_names_a_server_host_that_is_not_one(host: str) -> None:
             continue  # an empty TOOL_PROXY_HOST is not set
         with pytest.raises(ConfigError) as caught:
             parse_config(config, env=env)
-        assert [p.split(":")[0] for p in caught.value.problems] == ["server.host"]
+        named = f"server.host (from {ENV_HOST})" if env else "server.host"
+        assert [p.split(":")[0] for p in caught.value.problems] == [named]
 
 
 def test_check_config_names_the_server_host(tmp_path: Path) -> None:
