@@ -55,6 +55,25 @@ def test_valid_tokens_pass_and_records_are_scoped_by_principal(
     assert tool.count(key) == 2
 
 
+def test_a_token_without_a_principal_claim_is_refused_not_pooled(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    """``principal: [tid]``: two tokens without a ``tid`` would be one principal (one
+    record, one private cache): each is a 401, and nothing runs."""
+    auth = {**auth_config(idp), "principal": ["tid"]}
+    proxy = make_proxy(route(tool.url, auth={"required": True}), auth=auth)
+    key = new_key(BODY)
+    alice = call(f"{proxy.url}/tools/db", idp.token("alice"), key)
+    bob = call(f"{proxy.url}/tools/db", idp.token("bob"), key)
+    for refused in (alice, bob):
+        assert refused.status_code == 401, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert '"tid"' in refused.json()["detail"]
+    tenant = call(f"{proxy.url}/tools/db", idp.token("alice", tid="t-1"), key)
+    assert tenant.status_code == 200
+    assert tool.count(key) == 1
+
+
 def test_opaque_keys_are_scoped_by_principal(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> None:

@@ -126,7 +126,8 @@ class Authenticator:
                 issuer=issuer.issuer,
                 leeway=issuer.leeway,
                 options={
-                    "require": [*_REQUIRED, *issuer.required_claims],
+                    # a principal claim a token lacks would make its callers one
+                    "require": [*_REQUIRED, *issuer.required_claims, *self._principal],
                     "verify_exp": not allow_expired,
                 },
             )
