@@ -56,7 +56,7 @@ from proxy.job_events import Hub
 from proxy.jobs import RouteJobs, listing
 from proxy.logs import REDACTED, is_secret
 from proxy.offload import Offload
-from proxy.operations import STATES, Caller, Operations
+from proxy.operations import STATES, Caller, Operations, check_cursor
 from proxy.problems import problem_response
 from proxy.store import JobState, Queue, Record, RecordKey, State, Store, make_buckets, make_locks
 from proxy.store.buckets import Buckets, Entry, GroupState
@@ -534,7 +534,8 @@ class Console:
         state = None if state_name is None else STATES.get(state_name)
         if state_name is not None and state is None:
             raise InvalidField("state", f"one of {', '.join(STATES)}")
-        cursor, page = await ops.queue.list(state, params.get("cursor", ""), PAGE_OPERATIONS)
+        after = check_cursor(params.get("cursor", ""))
+        cursor, page = await ops.queue.list(state, after, PAGE_OPERATIONS)
         return {
             "title": "Operations",
             "state": state_name or "",

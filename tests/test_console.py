@@ -313,6 +313,7 @@ def test_a_client_that_asks_for_json_gets_problem_documents(plain: Setup) -> Non
         ("live/nothing", {}, 400),
         ("records/bm9wZQ", {}, 400),
         ("operations", {"state": "lost"}, 400),
+        ("operations", {"cursor": "garbage"}, 400),  # as the admin API's listing
     ):
         answer = HTTP.get(plain.url + path, params=params, headers=asks)
         assert answer.status_code == status, (path, answer.text)
