@@ -148,6 +148,20 @@ def test_a_call_costing_more_than_the_burst_is_refused_without_a_store_call(
     assert tool.total == 0
 
 
+def test_a_call_costing_exactly_the_burst_passes(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """1,001 a minute: the interval times the quota, divided again, is 1,000.999...; a
+    call that costs the whole burst still fits, as the store's bucket counts it."""
+    tpm = {"name": "tpm", "rate": "1001/1m", "cost": {"request": "json:/max_tokens"}}
+    proxy = make_proxy(limited(tool.url, tpm, guarded=False))
+    body = {"prompt": "x", "max_tokens": 1001}
+    answer = httpx.post(proxy.url + "/tools/llm", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["ratelimit"].startswith('"tpm";r=0;')
+    assert tool.total == 1
+
+
 @pytest.mark.parametrize("tokens", [b"NaN", b"Infinity", b"1e400", b"1" + b"0" * 400])
 def test_a_cost_that_is_no_finite_number_is_unreadable_and_costs_one(
     make_proxy: ProxyFactory, tool: CountingTool, tokens: bytes

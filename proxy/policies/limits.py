@@ -70,6 +70,9 @@ class _Limit:
     tolerance: float
     policy: str
     """Its RateLimit-Policy item, e.g. ``"rpm";q=60;w=60``."""
+    burst: float = 0.0
+    """The most a call may cost, as configured (``tolerance / interval`` can fall short
+    of it by a rounding: 1,001 a minute)."""
 
     @classmethod
     def of(cls, config: LimitConfig) -> _Limit:
@@ -81,15 +84,12 @@ class _Limit:
         quota, period = config.quota_period()
         interval = period / quota
         burst = config.burst if config.burst is not None else quota
-        return cls(config, interval, interval * burst, f"{name};q={quota:g};w={period:g}")
+        policy = f"{name};q={quota:g};w={period:g}"
+        return cls(config, interval, interval * burst, policy, float(burst))
 
     @property
     def name(self) -> str:
         return self.config.name
-
-    @property
-    def burst(self) -> float:
-        return self.tolerance / self.interval
 
 
 class _Line:
