@@ -895,7 +895,7 @@ def unsupported_version(request: Incoming, call: ToolCall) -> Reply | None:
     the transport spec's assumption, 2025-03-26 (whose ``tools/call`` is the same)."""
     versions = {v.decode("latin-1") for k, v in request.scope["headers"] if k == _VERSION}
     declared = call.meta.get(VERSION_META)
-    if declared is not None and versions and versions != {declared}:
+    if isinstance(declared, str) and versions and versions != {declared}:
         return error_reply(
             call.id,
             HEADER_MISMATCH,

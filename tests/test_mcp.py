@@ -811,12 +811,16 @@ def test_an_unsupported_revision_is_refused_with_400_and_nothing_sent(
         ("2026-07-28", "2025-11-25", mcp.HEADER_MISMATCH),
         (None, "2099-01-01", mcp.UNSUPPORTED_PROTOCOL_VERSION),
         ("2026-07-28", "2099-01-01", mcp.HEADER_MISMATCH),
+        ("2025-06-18", [1], mcp.UNSUPPORTED_PROTOCOL_VERSION),
+        ("2025-06-18", {"a": 1}, mcp.UNSUPPORTED_PROTOCOL_VERSION),
+        (None, [1], mcp.UNSUPPORTED_PROTOCOL_VERSION),
     ],
 )
 def test_a_revision_stated_in_the_request_must_be_supported_and_match_the_header(
-    make_proxy: ProxyFactory, mcp_tool: McpTool, header: str | None, declared: str, code: int
+    make_proxy: ProxyFactory, mcp_tool: McpTool, header: str | None, declared: object, code: int
 ) -> None:
-    """2026-07-28 requests state their revision in params._meta too."""
+    """2026-07-28 requests state their revision in params._meta too; one that is not a
+    string (a list, an object) is an unsupported revision, not a 500."""
     proxy = through(make_proxy, mcp_tool)
     who = account()
     arguments = {"account": who, "cents": 4}
@@ -830,6 +834,7 @@ def test_a_revision_stated_in_the_request_must_be_supported_and_match_the_header
             {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call}, **extra
         )
     assert answer.status_code == 400
+    assert answer.json()["id"] == 3
     assert answer.json()["error"]["code"] == code
     assert mcp_tool.executions[who] == 0
 
