@@ -22,7 +22,8 @@ SSE = "text/event-stream"
 
 # The request headers the proxy itself reads. Each is one value: a repeated line with
 # another value is refused (the proxy would read one, the tool perhaps the other), and
-# Idempotency-Key, an RFC 8941 Item, and Host (RFC 9112 3.2) may not be repeated at all.
+# Idempotency-Key, an RFC 8941 Item, and Host (RFC 9112 3.2) may not be repeated at all
+# (Idempotency-Key: refused by the route, ``KeyRepeated``).
 READ_HEADERS = frozenset(
     {b"authorization", b"content-length", b"content-type", b"host", b"idempotency-key", b"origin"}
 )
@@ -46,7 +47,10 @@ class Incoming:
                 _check_utf8(name, value)
             if name in READ_HEADERS:
                 if name in headers:
-                    _check_repeated(name, value, headers[name])
+                    if name == b"idempotency-key":
+                        cls = KeyRepeated  # refused as the route answers: see KeyRepeated
+                    else:
+                        _check_repeated(name, value, headers[name])
                 else:
                     headers[name] = value.decode("latin-1")
         if b"host" not in headers and scope.get("http_version") == "1.1":
@@ -70,6 +74,30 @@ class Incoming:
                 return
 
 
+_SENT_ONCE = "Idempotency-Key must be sent once (one RFC 8941 Item)"
+
+
+@dataclass(slots=True)
+class KeyRepeated(Incoming):
+    """A request with more than one Idempotency-Key line, refused before anything is
+    forwarded. Which refusal is the route's: reading the key or the body raises
+    ``InvalidIdempotencyKey`` (an HTTP route's 400 problem), except that an MCP route,
+    having set ``jsonrpc``, reads the body to answer with a JSON-RPC error for the
+    request's id (``mcp.py``). Requests with one line never meet this class."""
+
+    jsonrpc: bool = False
+
+    def header(self, name: bytes) -> str | None:
+        if name == b"idempotency-key":
+            raise InvalidIdempotencyKey(_SENT_ONCE)
+        return self.headers.get(name)
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        if not self.jsonrpc:  # raised here, before any send is started with the body
+            raise InvalidIdempotencyKey(_SENT_ONCE)
+        return Incoming.chunks(self)
+
+
 def _check_utf8(name: bytes, value: bytes) -> None:
     """Header values are forwarded as UTF-8 (aiohttp encodes text so), which is byte for
     byte only for values that are UTF-8: any other is refused, never altered."""
@@ -81,8 +109,6 @@ def _check_utf8(name: bytes, value: bytes) -> None:
 
 
 def _check_repeated(name: bytes, value: bytes, first: str) -> None:
-    if name == b"idempotency-key":
-        raise InvalidIdempotencyKey("Idempotency-Key must be sent once (one RFC 8941 Item)")
     if name == b"host":
         raise InvalidHeader("Host is sent twice (RFC 9112 3.2: one Host header)")
     if value.decode("latin-1") != first:

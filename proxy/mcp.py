@@ -45,7 +45,7 @@ from mcp import types
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from proxy.asgi import SSE, Incoming, RawHeaders, Reply
+from proxy.asgi import SSE, Incoming, KeyRepeated, RawHeaders, Reply
 from proxy.config import (
     DEFAULT_MAX_ANSWER_BYTES,
     CachedTools,
@@ -311,6 +311,9 @@ class McpView:
         if request.method != "POST":
             route = self.streams if request.method == "GET" else self.route
             return Handled(await exchange.pass_through(route), Outcome.PASSED)
+        repeated = request if isinstance(request, KeyRepeated) else None
+        if repeated is not None:  # refused below, for the message's id (read in the body)
+            repeated.jsonrpc = True
         body = await exchange.read()
         try:
             message = parse(body)
@@ -321,6 +324,8 @@ class McpView:
             status = 200 if exc.code == types.INVALID_PARAMS else 400
             reply = error_reply(exc.id, exc.code, exc.message, status=status, data=exc.data)
             return Handled(reply, Outcome.REJECTED)
+        if repeated is not None:  # nothing is forwarded: the server could read either key
+            return Handled(_key_repeated(message), Outcome.REJECTED)
         session = _header(request, _SESSION)
         if call is not None and self.shared is not None and call.name not in self.hints:
             self._known(await self.shared.recall())  # another replica may have listed it
@@ -870,6 +875,19 @@ def _key(request: Incoming, call: ToolCall, key_meta: str) -> str | None:
             f"the Idempotency-Key header and params._meta.{key_meta} differ; send one key"
         )
     return header if header is not None else meta
+
+
+def _key_repeated(message: types.JSONRPCRequest | types.JSONRPCNotification | None) -> Reply:
+    """The refusal (-32014) of a message sent with more than one Idempotency-Key line:
+    a request's is its JSON-RPC error (HTTP 200, as a guarded call's refusals); a
+    notification, response or batch, with no id to answer, gets a 400 with ``id: null``."""
+    exc = InvalidIdempotencyKey(
+        "Idempotency-Key must be sent once (one RFC 8941 Item); nothing was sent"
+    )
+    if isinstance(message, types.JSONRPCRequest):
+        return refusal(message.id, exc)
+    problem = json.loads(problem_body(exc))
+    return error_reply(None, KEY_INVALID, problem_message(problem), status=400, data=problem)
 
 
 def _header(request: Incoming, name: bytes) -> str:

@@ -95,6 +95,48 @@ def test_the_key_may_be_an_http_header(make_proxy: ProxyFactory, mcp_tool: McpTo
     assert mcp_tool.executions[who] == 1
 
 
+def test_a_key_header_sent_twice_is_the_json_rpc_error_of_the_request(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """Two Idempotency-Key lines on an MCP route: -32014 for the request's id (a call's,
+    another request's), -32014 with id null (400) for a notification; a GET, with no id,
+    the HTTP problem. Nothing is claimed or forwarded: the call sent again with one key
+    runs once."""
+    proxy = through(make_proxy, mcp_tool, key="opaque")
+    who = account()
+    call = {"name": "charge", "arguments": {"account": who, "cents": 5}}
+    key = f"charge-{who}"
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        url, headers = raw.url, list(raw.headers.items())
+        twice = [*headers, ("Idempotency-Key", key), ("Idempotency-Key", key)]
+
+        def post(message: Any) -> httpx.Response:
+            return http.post(url, content=json.dumps(message), headers=twice)
+
+        called = post({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": call})
+        listed = post({"jsonrpc": "2.0", "id": "l", "method": "tools/list"})
+        noted = post({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}})
+        streamed = http.get(url, headers=twice)
+        again = raw.post(
+            {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": call},
+            **{"Idempotency-Key": key},
+        )
+    for answer, id in ((called, 7), (listed, "l")):
+        assert answer.status_code == 200
+        assert answer.headers["content-type"] == "application/json"
+        error = answer.json()
+        assert error["id"] == id and error["error"]["code"] == mcp.KEY_INVALID
+        assert error["error"]["data"]["type"] == "urn:tool-proxy:problem:idempotency-key-invalid"
+        assert "sent once" in error["error"]["message"]
+    assert noted.status_code == 400
+    assert noted.json()["id"] is None and noted.json()["error"]["code"] == mcp.KEY_INVALID
+    assert streamed.status_code == 400
+    assert streamed.headers["content-type"] == "application/problem+json"
+    assert message_of(again)["result"]["content"][0]["text"] == f"charged 5 to {who} (#1)"
+    assert mcp_tool.executions[who] == 1
+
+
 def test_a_client_that_times_out_gets_in_progress_then_the_replay(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
