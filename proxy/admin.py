@@ -194,6 +194,8 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         data = json.loads(body)
     except ValueError:
         raise InvalidJSONBody("the body is not JSON") from None
+    except RecursionError:
+        raise InvalidJSONBody("the body nests arrays and objects too deeply") from None
     if not isinstance(data, dict):
         raise InvalidField("(body)", "must be a JSON object")
     return data

@@ -285,7 +285,7 @@ def _decode_cursor(cursor: str, field: str) -> dict[str, Any]:
         return {}
     try:
         state = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, RecursionError):  # deep nesting: not one of ours
         state = None
     if not isinstance(state, dict):
         raise InvalidField(field, "not a cursor of this listing")
@@ -308,6 +308,10 @@ async def list_records(
     position, after = state.get("s", ""), state.get("a", "")
     if not isinstance(position, str) or not isinstance(after, str) or set(state) - {"s", "a"}:
         raise InvalidField(field, "not a cursor of this listing")
+    try:  # a lone surrogate ("\ud800") is not text a store can take
+        position.encode(), after.encode()
+    except UnicodeEncodeError:
+        raise InvalidField(field, "not a cursor of this listing") from None
     return await _scan_page(store, where, limit, position, after, now)
 
 

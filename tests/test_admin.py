@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,6 +224,25 @@ def test_admin_lists_with_filters_and_pages(admin_proxy: ThreadServer) -> None:
         refused = records(admin_proxy, **bad)
         assert refused.status_code == 400, bad
         assert refused.json()["detail"].startswith(f"{field}:")
+
+
+def test_admin_refuses_cursors_and_bodies_it_cannot_read(admin_proxy: ThreadServer) -> None:
+    """A cursor holding a lone surrogate (no store can take it) or nested past the JSON
+    parser's recursion, and a JSON body nested so, are 400s naming them, not 500s."""
+    for text in ('{"s": "\\ud800", "a": ""}', '{"s": "", "a": "\\udfff"}', "[" * 3000 + "]" * 3000):
+        cursor = base64.urlsafe_b64encode(text.encode()).rstrip(b"=").decode()
+        refused = records(admin_proxy, cursor=cursor)
+        assert refused.status_code == 400, text[:30]
+        assert refused.json()["detail"].startswith("cursor:"), refused.json()
+    deep = b"[" * 5000 + b"]" * 5000
+    url = f"{admin_proxy.url}/_proxy/admin/records/c2xvdHx8fC0AbmFtZQ"
+    headers = {**admin(), "content-type": "application/json"}
+    for answer in (
+        httpx.post(url + "/resolve", content=deep, headers=headers),
+        httpx.request("DELETE", url, content=deep, headers=headers),
+    ):
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["type"] == "urn:tool-proxy:problem:invalid-json-body"
 
 
 def test_admin_shows_a_record_with_and_without_its_body(admin_proxy: ThreadServer) -> None:

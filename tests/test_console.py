@@ -10,6 +10,7 @@ that need another configuration (no admin, JWTs, offload) start their own."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import threading
 from collections import Counter
@@ -314,6 +315,7 @@ def test_a_client_that_asks_for_json_gets_problem_documents(plain: Setup) -> Non
         ("records/bm9wZQ", {}, 400),
         ("operations", {"state": "lost"}, 400),
         ("operations", {"cursor": "garbage"}, 400),  # as the admin API's listing
+        ("records", {"cursor": base64.urlsafe_b64encode(b"[" * 3000 + b"]" * 3000).decode()}, 400),
     ):
         answer = HTTP.get(plain.url + path, params=params, headers=asks)
         assert answer.status_code == status, (path, answer.text)
