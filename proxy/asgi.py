@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from proxy.errors import CallerLeft, InvalidHeader, InvalidIdempotencyKey
+from proxy.errors import CallerLeft, InvalidHeader, InvalidIdempotencyKey, ProxyError
 
 RawHeaders = list[tuple[bytes, bytes]]
 SSE = "text/event-stream"
@@ -23,9 +23,18 @@ SSE = "text/event-stream"
 # The request headers the proxy itself reads. Each is one value: a repeated line with
 # another value is refused (the proxy would read one, the tool perhaps the other), and
 # Idempotency-Key, an RFC 8941 Item, and Host (RFC 9112 3.2) may not be repeated at all
-# (Idempotency-Key: refused by the route, ``KeyRepeated``).
+# (Idempotency-Key: refused by the route, ``KeyRepeated``). Transfer-Encoding is read to
+# refuse any coding but one ``chunked`` (the HTTP parser undoes that one only).
 READ_HEADERS = frozenset(
-    {b"authorization", b"content-length", b"content-type", b"host", b"idempotency-key", b"origin"}
+    {
+        b"authorization",
+        b"content-length",
+        b"content-type",
+        b"host",
+        b"idempotency-key",
+        b"origin",
+        b"transfer-encoding",
+    }
 )
 
 
@@ -55,6 +64,9 @@ class Incoming:
                     headers[name] = value.decode("latin-1")
         if b"host" not in headers and scope.get("http_version") == "1.1":
             raise InvalidHeader("an HTTP/1.1 request must have a Host header (RFC 9112 3.2)")
+        coding = headers.get(b"transfer-encoding")
+        if coding is not None and coding != "chunked":
+            _check_coding(coding)
         return cls(scope, receive, scope["method"], headers)
 
     def header(self, name: bytes) -> str | None:
@@ -108,7 +120,30 @@ def _check_utf8(name: bytes, value: bytes) -> None:
         raise InvalidHeader(f"the value of {field} is not UTF-8: it cannot be forwarded") from None
 
 
+class TransferCodingNotImplemented(ProxyError):
+    """A request body sent in a transfer coding other than ``chunked`` alone (RFC 9112
+    6.1: 501): the HTTP parser undoes the chunked framing only, and the rest of the
+    coding (``gzip, chunked``) would be forwarded and hashed as the body."""
+
+    status = 501
+    slug = "transfer-coding-not-implemented"
+    title = "Transfer coding not implemented"
+
+
+def _check_coding(value: str) -> None:
+    """``TransferCodingNotImplemented`` unless ``value`` is ``chunked`` (any case, empty
+    list elements aside)."""
+    codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+    if codings != ["chunked"]:
+        raise TransferCodingNotImplemented(
+            f"Transfer-Encoding {value[:60]!r}: only chunked is understood (RFC 9112 6.1); "
+            "send the body chunked alone, or with a Content-Length"
+        )
+
+
 def _check_repeated(name: bytes, value: bytes, first: str) -> None:
+    if name == b"transfer-encoding":  # a second line: another coding (two chunked: a 400)
+        _check_coding(f"{first}, {value.decode('latin-1')}")
     if name == b"host":
         raise InvalidHeader("Host is sent twice (RFC 9112 3.2: one Host header)")
     if value.decode("latin-1") != first:

@@ -255,6 +255,37 @@ def test_requests_the_http_parser_refuses_get_a_problem_document(
     assert tool.total == 0
 
 
+@pytest.mark.parametrize(
+    ("coding", "status"),
+    [
+        (b"gzip, chunked", 501),
+        (b"identity, chunked", 501),
+        (b"gzip\r\nTransfer-Encoding: chunked", 501),  # two lines: gzip, then chunked
+        (b"chunked, chunked", 400),  # the HTTP parser's own refusals
+        (b"gzip", 400),
+        (b"Chunked", 200),
+        (b",chunked", 200),
+    ],
+)
+def test_a_transfer_coding_other_than_chunked_is_501_never_forwarded_as_the_body(
+    tool: CountingTool, make_proxy: ProxyFactory, coding: bytes, status: int
+) -> None:
+    """RFC 9112 6.1: only chunked is undone; the rest of ``gzip, chunked`` would reach the
+    tool (and the key's hash) as the body."""
+    proxy = make_proxy(route(tool.url, prefix="/", guarded=False))
+    request = (
+        b"POST /tools/x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: %s\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n" % coding
+    )
+    if status == 200:
+        assert exchange(proxy.port, request)[0] == 200
+        assert tool.total == 1
+        return
+    slug = "transfer-coding-not-implemented" if status == 501 else "bad-request"
+    assert raw_problem(proxy.port, request) == (status, slug)
+    assert tool.total == 0
+
+
 def _send_until_answered(port: int, head: bytes, filler: bytes, most: int) -> tuple[bytes, int]:
     """Send ``head``, then ``filler`` until an answer comes (or ``most`` bytes went out):
     the answer, read to its end, and how many filler bytes were sent."""
