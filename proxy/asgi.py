@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from proxy.errors import CallerLeft, InvalidHeader, InvalidIdempotencyKey, ProxyError
+from proxy.errors import (
+    CallerLeft,
+    InvalidHeader,
+    InvalidIdempotencyKey,
+    TransferCodingNotImplemented,
+)
 
 RawHeaders = list[tuple[bytes, bytes]]
 SSE = "text/event-stream"
@@ -118,16 +123,6 @@ def _check_utf8(name: bytes, value: bytes) -> None:
     except UnicodeDecodeError:
         field = name.decode("latin-1")
         raise InvalidHeader(f"the value of {field} is not UTF-8: it cannot be forwarded") from None
-
-
-class TransferCodingNotImplemented(ProxyError):
-    """A request body sent in a transfer coding other than ``chunked`` alone (RFC 9112
-    6.1: 501): the HTTP parser undoes the chunked framing only, and the rest of the
-    coding (``gzip, chunked``) would be forwarded and hashed as the body."""
-
-    status = 501
-    slug = "transfer-coding-not-implemented"
-    title = "Transfer coding not implemented"
 
 
 def _check_coding(value: str) -> None:

@@ -293,6 +293,16 @@ class RequestTooLarge(ProxyError):
     title = "Request body too large"
 
 
+class TransferCodingNotImplemented(ProxyError):
+    """A request body sent in a transfer coding other than ``chunked`` alone (RFC 9112
+    6.1: 501): the HTTP parser undoes the chunked framing only, and the rest of the
+    coding (``gzip, chunked``) would be forwarded and hashed as the body."""
+
+    status = 501
+    slug = "transfer-coding-not-implemented"
+    title = "Transfer coding not implemented"
+
+
 class RateLimited(ProxyError):
     """A limit of the route has no room for the call, or the tool asked all replicas to
     pause (429/503 with Retry-After): nothing was sent, and the key is released."""
