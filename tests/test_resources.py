@@ -149,6 +149,55 @@ def test_a_request_without_its_lock_key_is_a_400_naming_it(
     assert tool.total == 0
 
 
+# Bodies whose json: key cannot be read as the tool reads it: nested past any depth a
+# reader takes, a lone surrogate (not Unicode), a member named twice (a tool may read the
+# first value, the proxy would lock the last: another resource).
+UNREADABLE_KEYS = [
+    (b"[" * 5000 + b"]" * 5000, "invalid-json-body", "deeper"),
+    (b'{"account": "\\ud800", "amount": 5}', "resource-key-missing", "/account"),
+    (b'{"account": "A1", "account": "B1"}', "duplicate-json-member", "'account'"),
+]
+
+
+@pytest.mark.parametrize(("body", "problem", "named"), UNREADABLE_KEYS)
+def test_a_lock_key_the_body_holds_unreadably_is_a_400_and_frees_the_key(
+    make_proxy: ProxyFactory, tool: CountingTool, body: bytes, problem: str, named: str
+) -> None:
+    """Refused before the send, as a missing key is: the idempotency key is released (not
+    recorded FAILED, "may have been executed"), so the same request gets the same 400.
+    text/plain: the body is hashed as bytes, so only the lock reads it as JSON."""
+    spec = locked(tool.url, guarded=True)
+    spec["idempotency"]["key"] = "opaque"
+    proxy = make_proxy(spec)
+    url = proxy.url + "/tools/debit"
+    sent = {"content-type": "text/plain", "idempotency-key": "bad-1"}
+    for _ in range(2):
+        refused = httpx.post(url, content=body, headers=sent)
+        assert refused.status_code == 400, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["type"] == f"urn:tool-proxy:problem:{problem}"
+        assert named in refused.json()["detail"]
+    assert tool.total == 0
+    good = {**sent, "idempotency-key": "good-1"}
+    answer = httpx.post(url, content=b'{"account": "A1", "amount": 5}', headers=good)
+    assert answer.status_code == 200, answer.text
+    assert tool.total == 1
+
+
+@pytest.mark.parametrize(("body", "problem", "named"), UNREADABLE_KEYS)
+def test_a_versioned_write_whose_key_the_body_holds_unreadably_is_a_400(
+    make_proxy: ProxyFactory, tool: CountingTool, body: bytes, problem: str, named: str
+) -> None:
+    """Never taken for a write of no one resource (forwarded unchecked)."""
+    spec = versioned(tool.url, key="json:/account")
+    proxy = make_proxy(spec)
+    sent = {"content-type": "application/json", "if-none-match": "*"}
+    refused = httpx.put(proxy.url + "/tools/s1", content=body, headers=sent)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["type"] == f"urn:tool-proxy:problem:{problem}"
+    assert tool.total == 0
+
+
 def test_a_lock_keyed_by_a_header_refuses_its_repeated_lines_and_frees_the_key(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

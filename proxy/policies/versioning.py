@@ -50,7 +50,7 @@ from proxy.errors import (
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
-from proxy.policies.limits import Settled, header_value
+from proxy.policies.limits import BodyKeyUnreadable, Settled, header_value
 from proxy.policies.resources import Held, Locker, Resource
 from proxy.store.locks import Locks, Version
 
@@ -95,10 +95,11 @@ class Versioning:
         log: Any,
         *,
         invalidates: bool = False,
+        max_json_depth: int | None = None,
     ) -> None:
         config = route.versioning
         self.route = route.name
-        self.resource = Resource.of(route, config)
+        self.resource = Resource.of(route, config, max_depth=max_json_depth)
         self.scope = self.resource.scope
         self.checked = frozenset(() if config is None else config.methods)
         """The writes whose preconditions are checked, and whose answers carry the ETag."""
@@ -132,6 +133,8 @@ class Versioning:
                 return await forward()
             try:
                 key = self.resource.key(context)
+            except BodyKeyUnreadable:  # a key there, but unreadable: 400
+                raise
             except ResourceKeyMissing:  # a read of no one resource (e.g. a listing)
                 return await forward()
             version = await self._version(key)
@@ -152,8 +155,8 @@ class Versioning:
         checked = self.etags and context.request.method in self.checked
         try:
             key = self.resource.key(context)
-        except ResourceKeyMissing:
-            if checked:
+        except ResourceKeyMissing as exc:
+            if checked or isinstance(exc, BodyKeyUnreadable):
                 raise
             return await forward()  # a write of no one resource: nothing to invalidate
         if not checked:
