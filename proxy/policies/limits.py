@@ -480,6 +480,11 @@ def header_value(context: Context, name: bytes) -> str:
     """The value of header ``name`` (lower case), "" if absent; ``InvalidHeader`` if it
     comes on more than one line: the proxy would key by one, the tool perhaps join them
     (RFC 9110 5.3), and two requests for one resource would hold two locks."""
+    return header_field(context, name) or ""
+
+
+def header_field(context: Context, name: bytes) -> str | None:
+    """As ``header_value``, but None if absent ("" if present and empty)."""
     found: bytes | None = None
     for key, value in context.request.scope["headers"]:
         if key == name:
@@ -489,7 +494,7 @@ def header_value(context: Context, name: bytes) -> str:
                     f"{field} is sent more than once; route {context.route.name} keys by it"
                 )
             found = value
-    return "" if found is None else found.decode("latin-1")
+    return None if found is None else found.decode("latin-1")
 
 
 class BodyKeyUnreadable(ResourceKeyMissing):
