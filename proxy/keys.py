@@ -245,6 +245,28 @@ def parse_json(body: bytes) -> Any:
         raise InvalidJSONBody(f"the body is declared JSON but does not parse: {exc}") from exc
 
 
+def read_json(body: bytes, max_depth: int | None) -> Any:
+    """The value of a JSON body read as a hashed one is (UTF-8, -16 or -32), for a policy
+    that keys by a member of it (``json:``): None if it is not JSON (its members are
+    absent); ``InvalidJSONBody`` if it nests deeper than ``max_depth`` (None: Python's
+    own limit), ``DuplicateJSONMember`` if an object repeats a member name (a tool may
+    read the first one). Strings may hold lone surrogates: the caller checks the ones
+    it uses."""
+    if body.find(b"\x00") != -1:
+        try:
+            body = _utf8(body)
+        except InvalidJSONBody:
+            return None
+    if max_depth is not None and len(body) > 2 * max_depth:
+        _check_depth(body, max_depth)
+    try:
+        return _FULL_DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+    except RecursionError as exc:
+        raise InvalidJSONBody("the body nests arrays and objects too deep to be read") from exc
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        return None
+
+
 def composite_key(
     plan: str,
     step: int | str,

@@ -20,7 +20,7 @@ import redis
 
 from proxy.config import parse_config
 from proxy.errors import ConfigError
-from proxy.policies.limits import pause_seconds
+from proxy.policies.limits import pause_seconds, pointed
 from tests.conftest import Clock, ProxyFactory, new_key, route
 from tests.idp import IdentityProvider
 from tests.servers import (
@@ -176,6 +176,49 @@ def test_a_cost_that_is_no_finite_number_is_unreadable_and_costs_one(
     assert answer.status_code == 200, answer.text
     assert answer.headers["ratelimit"].startswith('"tpm";r=99;')
     assert tool.total == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b"[" * 5000 + b"]" * 5000, "invalid-json-body"),
+        (b'{"account": "\\ud800"}', "resource-key-missing"),
+        (b'{"account": "A1", "account": "B1"}', "duplicate-json-member"),
+    ],
+)
+def test_a_limit_key_the_body_holds_unreadably_is_a_400_and_nothing_is_sent(
+    make_proxy: ProxyFactory, tool: CountingTool, body: bytes, problem: str
+) -> None:
+    """A body too deep to read, a key that is not Unicode, or one named twice (the tool
+    may read the first, the proxy would count the last): refused, never a 500."""
+    per_account = {"name": "per-account", "key": "json:/account", "rate": "2/1m"}
+    proxy = make_proxy(limited(tool.url, per_account, guarded=False))
+    sent = {"content-type": "application/json"}
+    refused = httpx.post(proxy.url + "/tools/llm", content=body, headers=sent)
+    assert refused.status_code == 400, refused.text
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert refused.json()["type"] == f"urn:tool-proxy:problem:{problem}"
+    assert tool.total == 0
+    answer = httpx.post(proxy.url + "/tools/llm", content=b'{"account": "A1"}', headers=sent)
+    assert answer.status_code == 200, answer.text
+    assert tool.total == 1
+
+
+def test_a_cost_read_from_the_body_refuses_a_member_named_twice(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    tpm = {"name": "tpm", "rate": "100/1m", "cost": {"request": "json:/max_tokens"}}
+    proxy = make_proxy(limited(tool.url, tpm, guarded=False))
+    body = b'{"max_tokens": 90, "max_tokens": 1}'
+    sent = {"content-type": "application/json"}
+    refused = httpx.post(proxy.url + "/tools/llm", content=body, headers=sent)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["type"] == "urn:tool-proxy:problem:duplicate-json-member"
+    assert tool.total == 0
+
+
+def test_an_answer_too_deep_to_read_keeps_the_estimate() -> None:
+    assert pointed(b"[" * 5000 + b"]" * 5000, "/usage/total_tokens") is None
 
 
 # -- configuration -------------------------------------------------------------------------

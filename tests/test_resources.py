@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,55 @@ def test_a_request_without_its_lock_key_is_a_400_naming_it(
     assert answer.status_code == 400, answer.text
     assert answer.json()["type"] == "urn:tool-proxy:problem:resource-key-missing"
     assert "/account" in answer.json()["detail"]
+    assert tool.total == 0
+
+
+# Bodies whose json: key cannot be read as the tool reads it: nested past any depth a
+# reader takes, a lone surrogate (not Unicode), a member named twice (a tool may read the
+# first value, the proxy would lock the last: another resource).
+UNREADABLE_KEYS = [
+    (b"[" * 5000 + b"]" * 5000, "invalid-json-body", "deeper"),
+    (b'{"account": "\\ud800", "amount": 5}', "resource-key-missing", "/account"),
+    (b'{"account": "A1", "account": "B1"}', "duplicate-json-member", "'account'"),
+]
+
+
+@pytest.mark.parametrize(("body", "problem", "named"), UNREADABLE_KEYS)
+def test_a_lock_key_the_body_holds_unreadably_is_a_400_and_frees_the_key(
+    make_proxy: ProxyFactory, tool: CountingTool, body: bytes, problem: str, named: str
+) -> None:
+    """Refused before the send, as a missing key is: the idempotency key is released (not
+    recorded FAILED, "may have been executed"), so the same request gets the same 400.
+    text/plain: the body is hashed as bytes, so only the lock reads it as JSON."""
+    spec = locked(tool.url, guarded=True)
+    spec["idempotency"]["key"] = "opaque"
+    proxy = make_proxy(spec)
+    url = proxy.url + "/tools/debit"
+    sent = {"content-type": "text/plain", "idempotency-key": "bad-1"}
+    for _ in range(2):
+        refused = httpx.post(url, content=body, headers=sent)
+        assert refused.status_code == 400, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["type"] == f"urn:tool-proxy:problem:{problem}"
+        assert named in refused.json()["detail"]
+    assert tool.total == 0
+    good = {**sent, "idempotency-key": "good-1"}
+    answer = httpx.post(url, content=b'{"account": "A1", "amount": 5}', headers=good)
+    assert answer.status_code == 200, answer.text
+    assert tool.total == 1
+
+
+@pytest.mark.parametrize(("body", "problem", "named"), UNREADABLE_KEYS)
+def test_a_versioned_write_whose_key_the_body_holds_unreadably_is_a_400(
+    make_proxy: ProxyFactory, tool: CountingTool, body: bytes, problem: str, named: str
+) -> None:
+    """Never taken for a write of no one resource (forwarded unchecked)."""
+    spec = versioned(tool.url, key="json:/account")
+    proxy = make_proxy(spec)
+    sent = {"content-type": "application/json", "if-none-match": "*"}
+    refused = httpx.put(proxy.url + "/tools/s1", content=body, headers=sent)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["type"] == f"urn:tool-proxy:problem:{problem}"
     assert tool.total == 0
 
 
@@ -291,6 +341,58 @@ def test_a_write_without_a_precondition_is_428_when_required(
     assert answer.json()["type"] == "urn:tool-proxy:problem:precondition-required"
     assert httpx.get(proxy.url + "/tools/s1").status_code == 200  # reads need none
     assert tool.total == 1
+
+
+@pytest.mark.parametrize("required", [False, True])
+@pytest.mark.parametrize("field", ["if-match", "if-none-match"])
+@pytest.mark.parametrize(
+    "value",
+    ["", '"2', '2"', "2", '"2" "3"', '*, "2"', 'w/"2"', '"2 3"', ","],
+)
+def test_a_precondition_present_but_empty_or_malformed_is_a_400_and_nothing_is_sent(
+    make_proxy: ProxyFactory, tool: CountingTool, required: bool, field: str, value: str
+) -> None:
+    """Never read as no precondition (an unconditional write), nor cut to a tag: an
+    unterminated ``"2`` once matched the ETag ``"2"``."""
+    proxy = make_proxy(versioned(tool.url, required=required))
+    assert put(proxy.url, if_none_match="*").headers["etag"] == '"2"'
+    answer = put(proxy.url, **{field.replace("-", "_"): value})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["type"] == "urn:tool-proxy:problem:invalid-header"
+    assert field in answer.json()["detail"]
+    assert tool.total == 1
+    assert put(proxy.url, if_match='"2"').headers["etag"] == '"3"'  # the version unmoved
+
+
+def test_a_precondition_of_only_whitespace_is_a_400(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """Sent as it is (an HTTP client refuses such a value; a caller's own code may not)."""
+    proxy = make_proxy(versioned(tool.url, required=True))
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"PUT /tools/s1 HTTP/1.1\r\nHost: " + host.encode() + b"\r\n"
+            b"If-Match: \t  \r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    assert b"invalid-header" in answer and b"if-match is empty" in answer
+    assert tool.total == 0
+
+
+def test_entity_tags_are_read_whole_as_rfc_9110_writes_them(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    proxy = make_proxy(versioned(tool.url))
+    assert put(proxy.url, if_none_match="*").headers["etag"] == '"2"'
+    assert put(proxy.url, if_match='"*"').status_code == 412  # a tag, not the wildcard
+    assert put(proxy.url, if_match='"2,3"').status_code == 412  # one tag, commas and all
+    assert put(proxy.url, if_none_match='W/"2"').status_code == 412  # compared weakly
+    assert put(proxy.url, if_match=', "9",, "2" ,').headers["etag"] == '"3"'
+    assert put(proxy.url, if_none_match='"7", W/"8"').headers["etag"] == '"4"'
 
 
 def test_concurrent_writes_with_the_same_if_match_reach_the_tool_once(

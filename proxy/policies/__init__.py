@@ -35,6 +35,9 @@ from proxy.offload import Offload
 from proxy.store import Store
 from proxy.store.locks import Version
 
+UNREAD: Any = object()
+"""``Context.document`` before the body has been read as JSON."""
+
 Forward = Callable[[], Awaitable[UpstreamResponse]]
 """Sends the request upstream and returns the answer, its body still to be read."""
 
@@ -63,6 +66,9 @@ class Context:
     version: Version | None = None
     """The version of the request's resource, as the cache read it (a cached read on a
     route with ``resource``): its ETag is set; versioning does not read it again."""
+    document: Any = UNREAD
+    """The body's JSON value, once a ``json:`` key has read it (``limits.body_json``):
+    read once for every policy; ``UNREAD`` before."""
 
     def send_header(self, name: bytes, value: bytes) -> None:
         """Send ``name: value`` to the tool in place of any the caller sent (e.g. a
@@ -165,14 +171,25 @@ def build_chain(
         if route.lock is not None:
             from proxy.policies.lock import Lock
 
-            policies.append(Lock(route, locks, metrics, tasks, log))
+            policies.append(Lock(route, locks, metrics, tasks, log, max_json_depth=max_json_depth))
         if route.versioning is not None or invalidates:
             from proxy.policies.versioning import Versioning
 
-            policies.append(Versioning(route, locks, metrics, tasks, log, invalidates=invalidates))
+            policies.append(
+                Versioning(
+                    route,
+                    locks,
+                    metrics,
+                    tasks,
+                    log,
+                    invalidates=invalidates,
+                    max_json_depth=max_json_depth,
+                )
+            )
     if route.limits is not None:
         from proxy.policies.limits import Limits
         from proxy.store import make_buckets
 
-        policies.append(Limits(route, make_buckets(store), metrics, tasks, log))
+        buckets = make_buckets(store)
+        policies.append(Limits(route, buckets, metrics, tasks, log, max_json_depth=max_json_depth))
     return Chain(policies) if policies else None

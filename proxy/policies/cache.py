@@ -344,7 +344,9 @@ class Cache:
         self.clock = clock
         self.methods = route.cached_methods()
         self.mcp = route.protocol is RouteProtocol.MCP
-        self.resource = None if route.resource is None else Resource.of(route)
+        self.resource = (
+            None if route.resource is None else Resource.of(route, max_depth=max_json_depth)
+        )
         """The resource a read is about: its entries are fenced by its version."""
         self.locks = None if self.resource is None else make_locks(store)
         self.version_ttl = route.version_ttl()

@@ -38,15 +38,19 @@ from proxy.background import TaskSet
 from proxy.config import LimitConfig, PauseScope, RouteConfig, StoreDown
 from proxy.errors import (
     NOT_SENT,
+    DuplicateJSONMember,
     InvalidHeader,
+    InvalidJSONBody,
     LimitsUnavailable,
     RateLimited,
+    ResourceKeyMissing,
     StoreUnavailable,
 )
 from proxy.forwarding import UpstreamResponse
+from proxy.keys import read_json
 from proxy.metrics import Metrics
 from proxy.numbers import whole
-from proxy.policies import Context, Forward
+from proxy.policies import UNREAD, Context, Forward
 from proxy.store.buckets import Admission, Buckets, Rate, Slots
 
 # Statuses of the tool whose reset headers pause the caller (or the route) on every replica.
@@ -121,9 +125,17 @@ class Limits:
     """The limits policy of one route."""
 
     def __init__(
-        self, route: RouteConfig, buckets: Buckets, metrics: Metrics, tasks: TaskSet, log: Any
+        self,
+        route: RouteConfig,
+        buckets: Buckets,
+        metrics: Metrics,
+        tasks: TaskSet,
+        log: Any,
+        *,
+        max_json_depth: int | None = None,
     ) -> None:
         self.route = route.name
+        self.max_depth = max_json_depth
         self.buckets = buckets
         self.metrics = metrics
         self.tasks = tasks
@@ -213,8 +225,8 @@ class Limits:
         elif kind.startswith("header:"):
             value = header_value(context, kind[7:].encode())
         else:
-            found = pointed(context.body, kind[5:])
-            value = "" if found is None else json.dumps(found, sort_keys=True)
+            pointer = kind[5:]
+            value = key_text(body_json(context, self.max_depth), pointer, context, plain=False)
         if not value:
             return limit.name
         return f"{limit.name}|{hashlib.sha256(value.encode()).hexdigest()[:32]}"
@@ -225,7 +237,8 @@ class Limits:
             return 1.0
         if not isinstance(cost.request, str):
             return float(cost.request)
-        found = _number(pointed(context.body, cost.request[5:]))
+        document = body_json(context, self.max_depth)
+        found = _number(_resolve(document, cost.request[5:]))
         if found is None:
             self.log.warning(
                 "limit_cost_unreadable", route=self.route, limit=limit.name, note="cost 1"
@@ -467,6 +480,11 @@ def header_value(context: Context, name: bytes) -> str:
     """The value of header ``name`` (lower case), "" if absent; ``InvalidHeader`` if it
     comes on more than one line: the proxy would key by one, the tool perhaps join them
     (RFC 9110 5.3), and two requests for one resource would hold two locks."""
+    return header_field(context, name) or ""
+
+
+def header_field(context: Context, name: bytes) -> str | None:
+    """As ``header_value``, but None if absent ("" if present and empty)."""
     found: bytes | None = None
     for key, value in context.request.scope["headers"]:
         if key == name:
@@ -476,19 +494,87 @@ def header_value(context: Context, name: bytes) -> str:
                     f"{field} is sent more than once; route {context.route.name} keys by it"
                 )
             found = value
-    return "" if found is None else found.decode("latin-1")
+    return None if found is None else found.decode("latin-1")
 
 
-def pointed(body: bytes, pointer: str) -> Any:
-    """What ``pointer`` (RFC 6901, via jsonpointer) names in a JSON body; None if absent."""
+class BodyKeyUnreadable(ResourceKeyMissing):
+    """A ``json:`` key (of a limit, a lock, versioning) that the body holds in a form the
+    proxy cannot key by as the tool reads it: a string that is not Unicode (a lone
+    surrogate escape), or, in the subclasses, a body nested too deep or naming a member
+    twice. Nothing was sent (a ``ResourceKeyMissing``: ``errors.NOT_SENT``, so a guarded
+    call's key is released); unlike an absent key, never forwarded without one."""
+
+
+class BodyKeyInvalidJSON(InvalidJSONBody, BodyKeyUnreadable):
+    """``invalid-json-body``: the body nests deeper than ``limits.max_json_depth``."""
+
+
+class BodyKeyDuplicateMember(DuplicateJSONMember, BodyKeyUnreadable):
+    """``duplicate-json-member``: an object of the body repeats a member name (the tool
+    may read the first value, the proxy would key by the last: another resource)."""
+
+
+def body_json(context: Context, max_depth: int | None) -> Any:
+    """The request body's JSON value, read once per request as a hashed body is (the
+    policies' ``json:`` keys and costs share it); None if the body is not JSON.
+    ``BodyKeyInvalidJSON`` if it nests deeper than ``max_depth``,
+    ``BodyKeyDuplicateMember`` if it repeats a member name: 400, nothing sent."""
+    document = context.document
+    if document is UNREAD:
+        try:
+            document = read_json(context.body, max_depth)
+        except DuplicateJSONMember as exc:
+            raise BodyKeyDuplicateMember(
+                f"route {context.route.name} keys by members of the body: {exc.detail}"
+            ) from exc
+        except InvalidJSONBody as exc:
+            raise BodyKeyInvalidJSON(
+                f"route {context.route.name} keys by members of the body: {exc.detail}"
+            ) from exc
+        context.document = document
+    return document
+
+
+def key_text(document: Any, pointer: str, context: Context, *, plain: bool) -> str:
+    """The text of the member ``pointer`` names in ``document`` that a key is made of:
+    "" if absent; ``plain``: a string is its own text, else every member is its JSON
+    text. ``BodyKeyUnreadable`` if a string in it is not Unicode (a lone surrogate: the
+    tool may read it as U+FFFD, so two such keys could be one resource to it)."""
+    found = _resolve(document, pointer)
+    if found is None:
+        return ""
+    if plain and isinstance(found, str):
+        text = found
+        unicode = text
+    else:
+        text = json.dumps(found, sort_keys=True)
+        unicode = json.dumps(found, ensure_ascii=False) if "\\ud" in text else ""
     try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
+        unicode.encode()
+    except UnicodeEncodeError as exc:
+        raise BodyKeyUnreadable(
+            f"route {context.route.name} needs JSON member {pointer} of the body as its key; "
+            "it holds a string that is not Unicode (a lone surrogate escape)"
+        ) from exc
+    return text
+
+
+def _resolve(document: Any, pointer: str) -> Any:
+    """What ``pointer`` (RFC 6901, via jsonpointer) names in a JSON value; None if absent."""
     try:
         return jsonpointer.resolve_pointer(document, pointer, None)
     except jsonpointer.JsonPointerException:
         return None
+
+
+def pointed(body: bytes, pointer: str) -> Any:
+    """What ``pointer`` names in a JSON body (the tool's answer, e.g. its token cost); None
+    if absent, or if the body does not parse (too deep: a RecursionError)."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return _resolve(document, pointer)
 
 
 def _number(value: Any) -> float | None:

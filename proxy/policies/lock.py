@@ -35,10 +35,17 @@ class Lock:
     """The lock policy of one route."""
 
     def __init__(
-        self, route: RouteConfig, locks: Locks, metrics: Metrics, tasks: TaskSet, log: Any
+        self,
+        route: RouteConfig,
+        locks: Locks,
+        metrics: Metrics,
+        tasks: TaskSet,
+        log: Any,
+        *,
+        max_json_depth: int | None = None,
     ) -> None:
         assert route.lock is not None
-        self.resource = Resource.of(route, route.lock)
+        self.resource = Resource.of(route, route.lock, max_depth=max_json_depth)
         self.header = route.lock.fencing_header.lower().encode()
         self.locker = Locker(
             route.name,

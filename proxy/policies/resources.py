@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from proxy.errors import (
 )
 from proxy.metrics import Metrics
 from proxy.policies import Context
-from proxy.policies.limits import header_value, pointed
+from proxy.policies.limits import body_json, header_value, key_text
 from proxy.store.locks import Locks
 
 # The first pause between two asks of a held lock, doubled up to the longest one.
@@ -39,11 +38,16 @@ FIRST_POLL_SECONDS = 0.005
 MAX_POLL_SECONDS = 0.05
 
 
-def resource_value(kind: str, context: Context, *, plain: bool = False) -> str:
+def resource_value(
+    kind: str, context: Context, *, plain: bool = False, max_depth: int | None = None
+) -> str:
     """The resource a request names (``json:``, ``header:``, ``path:``, ``principal``);
     ``ResourceKeyMissing`` naming what is absent. ``plain``: a JSON string member is its
     text (``json:/account`` and ``path:0`` then name ``acc-42`` alike: a named resource's
-    routes may take it from different places); else every member is its JSON text."""
+    routes may take it from different places); else every member is its JSON text. A
+    ``json:`` key of a body nested deeper than ``max_depth``, repeating a member name, or
+    holding a string that is not Unicode: ``limits.BodyKeyUnreadable`` (400), never
+    taken for an absent key."""
     if kind == "principal":
         value = context.principal
     elif kind.startswith("header:"):
@@ -51,20 +55,17 @@ def resource_value(kind: str, context: Context, *, plain: bool = False) -> str:
     elif kind.startswith("path:"):
         value = _segment(context, int(kind[5:]))
     else:
-        found = pointed(context.body, kind[5:])
-        if plain and isinstance(found, str):
-            value = found
-        else:
-            value = "" if found is None else json.dumps(found, sort_keys=True)
+        value = key_text(body_json(context, max_depth), kind[5:], context, plain=plain)
     if not value:
         raise ResourceKeyMissing(f"route {context.route.name} needs {_named(kind)} in the request")
     return value
 
 
-def resource_key(kind: str, context: Context) -> str:
+def resource_key(kind: str, context: Context, max_depth: int | None = None) -> str:
     """``<route>|<digest of the resource value>``: the store key of a request's resource
     on a route without ``routes[].resource`` (``Resource.key`` otherwise)."""
-    digest = hashlib.sha256(resource_value(kind, context).encode()).hexdigest()[:32]
+    value = resource_value(kind, context, max_depth=max_depth)
+    digest = hashlib.sha256(value.encode()).hexdigest()[:32]
     return f"{context.route.name}|{digest}"
 
 
@@ -77,16 +78,26 @@ class Resource:
     scope: str
     named: bool
     """True for ``routes[].resource``: shared by the routes that name it."""
+    max_depth: int | None = None
+    """``limits.max_json_depth``: a ``json:`` key's body nested deeper is a 400."""
 
     @classmethod
-    def of(cls, route: RouteConfig, part: LockConfig | VersioningConfig | None = None) -> Resource:
-        return cls(route.resource_key(part), route.resource_scope(), route.resource is not None)
+    def of(
+        cls,
+        route: RouteConfig,
+        part: LockConfig | VersioningConfig | None = None,
+        *,
+        max_depth: int | None = None,
+    ) -> Resource:
+        named = route.resource is not None
+        return cls(route.resource_key(part), route.resource_scope(), named, max_depth)
 
     def key(self, context: Context) -> str:
-        """The store key of the request's resource; ``ResourceKeyMissing`` if it names none."""
+        """The store key of the request's resource; ``ResourceKeyMissing`` if it names none
+        (``limits.BodyKeyUnreadable`` if its ``json:`` key cannot be read: a 400 too)."""
         if not self.named:
-            return resource_key(self.kind, context)
-        value = resource_value(self.kind, context, plain=True)
+            return resource_key(self.kind, context, self.max_depth)
+        value = resource_value(self.kind, context, plain=True, max_depth=self.max_depth)
         return f"{self.scope}|{hashlib.sha256(value.encode()).hexdigest()[:32]}"
 
 

@@ -35,12 +35,14 @@ method of ``resource.writes`` without the key) is forwarded and invalidates noth
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from proxy.background import TaskSet
 from proxy.config import RouteConfig, RouteProtocol
 from proxy.errors import (
     NOT_SENT,
+    InvalidHeader,
     LocksUnavailable,
     PreconditionFailed,
     PreconditionRequired,
@@ -50,7 +52,7 @@ from proxy.errors import (
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
-from proxy.policies.limits import Settled, header_value
+from proxy.policies.limits import BodyKeyUnreadable, Settled, header_field
 from proxy.policies.resources import Held, Locker, Resource
 from proxy.store.locks import Locks, Version
 
@@ -58,13 +60,34 @@ from proxy.store.locks import Locks, Version
 RESERVATION_TTL_SECONDS = 10.0
 
 
-def _tags(field: str) -> set[str] | None:
-    """The entity tags of an If-Match/If-None-Match field: {"*"} for ``*``, strong tags
-    without their quotes (weak ones never match a write), None if the field is absent."""
-    if not field:
+# RFC 9110 8.8.3: entity-tag = [ W/ ] DQUOTE *etagc DQUOTE; a field is ``*`` or a list
+# of them (empty elements allowed: 5.6.1). etagc holds commas: a tag is read whole.
+_ETAGC = r"[\x21\x23-\x7e\x80-\xff]*"
+_TAG = re.compile(rf'(W/)?"({_ETAGC})"')
+_TAG_LIST = re.compile(rf'[ \t,]*(?:W/)?"{_ETAGC}"(?:[ \t]*,[ \t,]*(?:W/)?"{_ETAGC}")*[ \t,]*')
+
+
+def _tags(context: Context, name: bytes, *, weak: bool) -> set[str] | None:
+    """The entity tags of an If-Match/If-None-Match field, without their quotes: {"*"}
+    for ``*``; weak ones only with ``weak`` (If-None-Match compares weakly, If-Match
+    strongly: a weak tag never matches); None if the field is absent. A field present
+    but empty, or not ``*`` nor a list of entity tags (``"1`` unterminated, a bare
+    ``1``): ``InvalidHeader`` (400), never read as no precondition, nor cut to a tag."""
+    field = header_field(context, name)
+    if field is None:
         return None
-    tags = {t.strip() for t in field.split(",") if t.strip()}
-    return {t if t == "*" else t[1:-1] for t in tags if t == "*" or t.startswith('"')}
+    value = field.strip(" \t")
+    if value == "*":
+        return {"*"}
+    if _TAG_LIST.fullmatch(value) is None:
+        header = name.decode("latin-1")
+        problem = "is empty" if not value else "is not * nor a list of entity tags"
+        raise InvalidHeader(
+            f'{header} {problem}: send {header}: "<version>" (the ETag of a read), or * '
+            "(RFC 9110 13.1)"
+        )
+    # a quoted "*" is a tag, not the wildcard (and no version's number)
+    return {tag for is_weak, tag in _TAG.findall(value) if (weak or not is_weak) and tag != "*"}
 
 
 def _matches(version: Version, tags: set[str]) -> bool:
@@ -95,10 +118,11 @@ class Versioning:
         log: Any,
         *,
         invalidates: bool = False,
+        max_json_depth: int | None = None,
     ) -> None:
         config = route.versioning
         self.route = route.name
-        self.resource = Resource.of(route, config)
+        self.resource = Resource.of(route, config, max_depth=max_json_depth)
         self.scope = self.resource.scope
         self.checked = frozenset(() if config is None else config.methods)
         """The writes whose preconditions are checked, and whose answers carry the ETag."""
@@ -132,6 +156,8 @@ class Versioning:
                 return await forward()
             try:
                 key = self.resource.key(context)
+            except BodyKeyUnreadable:  # a key there, but unreadable: 400
+                raise
             except ResourceKeyMissing:  # a read of no one resource (e.g. a listing)
                 return await forward()
             version = await self._version(key)
@@ -152,14 +178,14 @@ class Versioning:
         checked = self.etags and context.request.method in self.checked
         try:
             key = self.resource.key(context)
-        except ResourceKeyMissing:
-            if checked:
+        except ResourceKeyMissing as exc:
+            if checked or isinstance(exc, BodyKeyUnreadable):
                 raise
             return await forward()  # a write of no one resource: nothing to invalidate
         if not checked:
             return await self._reserved(context, key, forward, False, None, None)
-        if_match = _tags(header_value(context, b"if-match"))
-        if_none_match = _tags(header_value(context, b"if-none-match"))
+        if_match = _tags(context, b"if-match", weak=False)
+        if_none_match = _tags(context, b"if-none-match", weak=True)
         if if_match is None and if_none_match is None and self.required:
             self.metrics.resource_decision(self.route, "versioning", "precondition_required")
             raise PreconditionRequired(
