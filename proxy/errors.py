@@ -18,6 +18,10 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── BodyNotCanonicalizable          400
     │   ├── InvalidField                    400  a parameter of a /_proxy/ endpoint, named
     │   └── ResourceKeyMissing              400  the lock or version key is not in the request
+    │       └── BodyKeyUnreadable           400  a json: key the body holds unreadably (not
+    │           │                                Unicode); nothing sent, key released
+    │           ├── BodyKeyInvalidJSON      400  invalid-json-body: nested too deep
+    │           └── BodyKeyDuplicateMember  400  duplicate-json-member
     ├── Unauthorized                        401  no valid caller token (WWW-Authenticate)
     │   └── ReauthenticationRequired        401  the IdP refused a downstream token
     ├── Forbidden                           403  an operator's JWT lacks the admin role
@@ -42,6 +46,7 @@ talks to the foreign library, with ``raise ... from exc``.
     │   ├── ArgsHashMismatch                422  composite key whose args_hash is not the body's
     │   └── KeyReusedWithOtherBody          422  a key sent again with another request
     ├── MethodNotImplemented                501  CONNECT and TRACE: never forwarded
+    ├── TransferCodingNotImplemented        501  a transfer coding but chunked alone
     ├── UpstreamUnreachable                 502  nothing was sent; the key is released
     │   ├── McpRefused                      4xx  an MCP server refused a tools/call at the
     │   │                                        HTTP level (its answer is sent on): released
@@ -318,6 +323,23 @@ class ResourceKeyMissing(BadRequest):
 
     slug = "resource-key-missing"
     title = "The request does not name its resource"
+
+
+class BodyKeyUnreadable(ResourceKeyMissing):
+    """A ``json:`` key (of a limit, a lock, versioning) that the body holds in a form the
+    proxy cannot key by as the tool reads it: a string that is not Unicode (a lone
+    surrogate escape), or, in the subclasses, a body nested too deep or naming a member
+    twice. Nothing was sent (a ``ResourceKeyMissing``: ``errors.NOT_SENT``, so a guarded
+    call's key is released); unlike an absent key, never forwarded without one."""
+
+
+class BodyKeyInvalidJSON(InvalidJSONBody, BodyKeyUnreadable):
+    """``invalid-json-body``: the body nests deeper than ``limits.max_json_depth``."""
+
+
+class BodyKeyDuplicateMember(DuplicateJSONMember, BodyKeyUnreadable):
+    """``duplicate-json-member``: an object of the body repeats a member name (the tool
+    may read the first value, the proxy would key by the last: another resource)."""
 
 
 class ResourceLocked(ProxyError):

@@ -38,12 +38,14 @@ from proxy.background import TaskSet
 from proxy.config import LimitConfig, PauseScope, RouteConfig, StoreDown
 from proxy.errors import (
     NOT_SENT,
+    BodyKeyDuplicateMember,
+    BodyKeyInvalidJSON,
+    BodyKeyUnreadable,
     DuplicateJSONMember,
     InvalidHeader,
     InvalidJSONBody,
     LimitsUnavailable,
     RateLimited,
-    ResourceKeyMissing,
     StoreUnavailable,
 )
 from proxy.forwarding import UpstreamResponse
@@ -495,23 +497,6 @@ def header_field(context: Context, name: bytes) -> str | None:
                 )
             found = value
     return None if found is None else found.decode("latin-1")
-
-
-class BodyKeyUnreadable(ResourceKeyMissing):
-    """A ``json:`` key (of a limit, a lock, versioning) that the body holds in a form the
-    proxy cannot key by as the tool reads it: a string that is not Unicode (a lone
-    surrogate escape), or, in the subclasses, a body nested too deep or naming a member
-    twice. Nothing was sent (a ``ResourceKeyMissing``: ``errors.NOT_SENT``, so a guarded
-    call's key is released); unlike an absent key, never forwarded without one."""
-
-
-class BodyKeyInvalidJSON(InvalidJSONBody, BodyKeyUnreadable):
-    """``invalid-json-body``: the body nests deeper than ``limits.max_json_depth``."""
-
-
-class BodyKeyDuplicateMember(DuplicateJSONMember, BodyKeyUnreadable):
-    """``duplicate-json-member``: an object of the body repeats a member name (the tool
-    may read the first value, the proxy would key by the last: another resource)."""
 
 
 def body_json(context: Context, max_depth: int | None) -> Any:

@@ -46,7 +46,7 @@ def resource_value(
     text (``json:/account`` and ``path:0`` then name ``acc-42`` alike: a named resource's
     routes may take it from different places); else every member is its JSON text. A
     ``json:`` key of a body nested deeper than ``max_depth``, repeating a member name, or
-    holding a string that is not Unicode: ``limits.BodyKeyUnreadable`` (400), never
+    holding a string that is not Unicode: ``errors.BodyKeyUnreadable`` (400), never
     taken for an absent key."""
     if kind == "principal":
         value = context.principal
@@ -94,7 +94,7 @@ class Resource:
 
     def key(self, context: Context) -> str:
         """The store key of the request's resource; ``ResourceKeyMissing`` if it names none
-        (``limits.BodyKeyUnreadable`` if its ``json:`` key cannot be read: a 400 too)."""
+        (``errors.BodyKeyUnreadable`` if its ``json:`` key cannot be read: a 400 too)."""
         if not self.named:
             return resource_key(self.kind, context, self.max_depth)
         value = resource_value(self.kind, context, plain=True, max_depth=self.max_depth)

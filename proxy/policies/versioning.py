@@ -42,6 +42,7 @@ from proxy.background import TaskSet
 from proxy.config import RouteConfig, RouteProtocol
 from proxy.errors import (
     NOT_SENT,
+    BodyKeyUnreadable,
     InvalidHeader,
     LocksUnavailable,
     PreconditionFailed,
@@ -52,7 +53,7 @@ from proxy.errors import (
 from proxy.forwarding import UpstreamResponse
 from proxy.metrics import Metrics
 from proxy.policies import Context, Forward
-from proxy.policies.limits import BodyKeyUnreadable, Settled, header_field
+from proxy.policies.limits import Settled, header_field
 from proxy.policies.resources import Held, Locker, Resource
 from proxy.store.locks import Locks, Version
 
