@@ -275,6 +275,8 @@ def test_cached_reads_carry_the_version_and_if_none_match_of_it_is_a_304(
         assert unchanged.headers["cache-status"] == "tool-proxy; hit"
     other = f'"{int(etag.strip(chr(34))) + 1000}"'
     assert read(a, if_none_match=other).status_code == 200  # another version: the whole answer
+    for malformed in (etag[:-1], etag[1:], '"*"'):  # unterminated (was a 304), bare, quoted *
+        assert read(b, if_none_match=malformed).status_code == 200, malformed  # the answer
     assert accounts.reads["A"] == 1  # no 304 called the tool
     assert charge(a).status_code == 200
     changed = read(b, if_none_match=etag)

@@ -54,7 +54,7 @@ from proxy.offload import Offload, Spool
 from proxy.outcome import StoredResponse
 from proxy.policies import Call, Context, Forward
 from proxy.policies.resources import Resource
-from proxy.policies.versioning import etag
+from proxy.policies.versioning import entity_tags, etag
 from proxy.store import Store, make_locks
 
 # The fill lock outlives the longest call of the route by this (the answer is stored
@@ -880,12 +880,8 @@ def _none_match(context: Context) -> bool:
     field = _field(context.request.scope["headers"], b"if-none-match")
     if not field or context.version is None:
         return False
-    current = str(context.version.number)
-    for tag in field.split(","):
-        tag = tag.strip().removeprefix("W/")
-        if tag == "*" or (tag.strip('"') == current and tag.startswith('"')):
-            return True
-    return False
+    tags = entity_tags(field, weak=True)  # a malformed field matches nothing: the answer
+    return tags is not None and ("*" in tags or str(context.version.number) in tags)
 
 
 def _vary(headers: RawHeaders) -> list[bytes]:

@@ -77,16 +77,27 @@ def _tags(context: Context, name: bytes, *, weak: bool) -> set[str] | None:
     field = header_field(context, name)
     if field is None:
         return None
-    value = field.strip(" \t")
-    if value == "*":
-        return {"*"}
-    if _TAG_LIST.fullmatch(value) is None:
+    tags = entity_tags(field, weak=weak)
+    if tags is None:
+        value = field.strip(" \t")
         header = name.decode("latin-1")
         problem = "is empty" if not value else "is not * nor a list of entity tags"
         raise InvalidHeader(
             f'{header} {problem}: send {header}: "<version>" (the ETag of a read), or * '
             "(RFC 9110 13.1)"
         )
+    return tags
+
+
+def entity_tags(field: str, *, weak: bool) -> set[str] | None:
+    """The entity tags of an If-Match/If-None-Match field's value, without their quotes:
+    {"*"} for ``*``; weak ones only with ``weak``; None if it is not ``*`` nor a list of
+    entity tags (RFC 9110 13.1: empty, ``"1`` unterminated, a bare ``1``)."""
+    value = field.strip(" \t")
+    if value == "*":
+        return {"*"}
+    if _TAG_LIST.fullmatch(value) is None:
+        return None
     # a quoted "*" is a tag, not the wildcard (and no version's number)
     return {tag for is_weak, tag in _TAG.findall(value) if (weak or not is_weak) and tag != "*"}
 
