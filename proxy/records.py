@@ -354,6 +354,10 @@ def check_reason(value: Any, field: str = "reason") -> str:
         raise InvalidField(field, "required: say why (it goes to the audit log)")
     if len(value) > MAX_REASON_CHARS:
         raise InvalidField(field, f"at most {MAX_REASON_CHARS} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a lone surrogate escape: JSON reads it, no store keeps it
+        raise InvalidField(field, "not Unicode text") from None
     return value.strip()
 
 

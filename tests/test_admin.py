@@ -243,6 +243,10 @@ def test_admin_refuses_cursors_and_bodies_it_cannot_read(admin_proxy: ThreadServ
     ):
         assert answer.status_code == 400, answer.text
         assert answer.json()["type"] == "urn:tool-proxy:problem:invalid-json-body"
+    lone = b'{"as": "released", "reason": "\\ud800"}'  # JSON reads it; no store keeps it
+    refused = httpx.post(url + "/resolve", content=lone, headers=headers)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["detail"].startswith("reason:")
 
 
 def test_admin_shows_a_record_with_and_without_its_body(admin_proxy: ThreadServer) -> None:
