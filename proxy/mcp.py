@@ -78,6 +78,7 @@ from proxy.keys import (
     parse_composite,
     parse_json,
     parse_opaque,
+    unquote,
 )
 from proxy.mcp_tools import MAX_TTL_SECONDS, MIN_TTL_SECONDS, TOOLS_TTL_SECONDS, SharedTools
 from proxy.operation import Operation
@@ -870,7 +871,8 @@ def _key(request: Incoming, call: ToolCall, key_meta: str) -> str | None:
     meta = call.meta.get(key_meta)
     if meta is not None and not isinstance(meta, str):
         raise InvalidIdempotencyKey(f"params._meta.{key_meta} must be a string")
-    if header is not None and meta is not None and header != meta:
+    # one key as the key's parser reads it (an RFC 8941 sf-string or bare), not as spelt
+    if header is not None and meta is not None and unquote(header) != unquote(meta):
         raise InvalidIdempotencyKey(
             f"the Idempotency-Key header and params._meta.{key_meta} differ; send one key"
         )

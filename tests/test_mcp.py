@@ -95,6 +95,31 @@ def test_the_key_may_be_an_http_header(make_proxy: ProxyFactory, mcp_tool: McpTo
     assert mcp_tool.executions[who] == 1
 
 
+def test_a_key_in_the_header_and_in_meta_is_compared_as_read_not_as_spelt(
+    make_proxy: ProxyFactory, mcp_tool: McpTool
+) -> None:
+    """The header's RFC 8941 sf-string form (``"k"``) and ``_meta``'s bare ``k`` are one
+    key (each is read unquoted); two keys that differ as read are refused."""
+    proxy = through(make_proxy, mcp_tool, key="opaque")
+    who = account()
+    key = f"charge-{who}"
+    call = {"name": "charge", "arguments": {"account": who, "cents": 5}, "_meta": {}}
+    with httpx.Client(timeout=10) as http:
+        raw = RawSession(http, proxy.url + "/mcp", "application/json, text/event-stream").open()
+        headers = {**raw.headers, "Idempotency-Key": f'"{key}"'}
+
+        def send(meta_key: str, id: int) -> Any:
+            params = {**call, "_meta": {"idempotencyKey": meta_key}}
+            message = {"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}
+            return message_of(http.post(raw.url, json=message, headers=headers))
+
+        first, again, other = send(key, 1), send(key, 2), send(key + "-x", 3)
+    assert "error" not in first and "error" not in again, first
+    assert mcp_tool.executions[who] == 1
+    assert other["error"]["code"] == mcp.KEY_INVALID
+    assert "differ" in other["error"]["message"]
+
+
 def test_a_key_header_sent_twice_is_the_json_rpc_error_of_the_request(
     make_proxy: ProxyFactory, mcp_tool: McpTool
 ) -> None:
