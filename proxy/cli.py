@@ -104,8 +104,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host if args.host is not None else config.server.host
     port = args.port if args.port is not None else config.server.port
     graceful = args.graceful_timeout or shutdown_seconds(config)
-    limit = config.limits.max_header_bytes
-    serve(args.config, host, port, args.workers, args.log_level, graceful, limit)
+    limits = config.limits
+    serve(
+        args.config,
+        host,
+        port,
+        args.workers,
+        args.log_level,
+        graceful,
+        limits.max_header_bytes,
+        limits.header_timeout,
+        limits.body_timeout,
+    )
     return 0
 
 

@@ -36,6 +36,7 @@ talks to the foreign library, with ``raise ... from exc``.
     ├── ResourceLocked                      409  the resource's lock was not had within wait
     ├── ResponseNotStored                   410  the call ran; its response was not kept
     ├── PreconditionFailed                  412  If-Match/If-None-Match is not the version
+    ├── RequestTimeout                      408  a head or body that stops arriving
     ├── RequestTooLarge                     413
     ├── MisdirectedRequest                  421  Host not in server.allowed_hosts
     ├── RateLimited                         429  a route limit, or the tool's own pause
@@ -367,6 +368,15 @@ class PreconditionRequired(ProxyError):
     status = 428
     slug = "precondition-required"
     title = "Precondition required"
+
+
+class RequestTimeout(ProxyError):
+    """The request head did not arrive whole within limits.header_timeout, or its body
+    went limits.body_timeout without a byte: the connection is closed."""
+
+    status = 408
+    slug = "request-timeout"
+    title = "Request timeout"
 
 
 class HeaderFieldsTooLarge(ProxyError):

@@ -13,8 +13,14 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy.config import DEFAULT_MAX_HEADER_BYTES, ENV_CONFIG, ENV_HOST
-from proxy.errors import BadRequest, HeaderFieldsTooLarge, ProxyError
+from proxy.config import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
+    ENV_CONFIG,
+    ENV_HOST,
+)
+from proxy.errors import BadRequest, HeaderFieldsTooLarge, ProxyError, RequestTimeout
 from proxy.logs import ENV_LOG_LEVEL
 from proxy.problems import raw_problem_response
 from proxy.routes import ABSOLUTE_FORM
@@ -61,7 +67,7 @@ class _Refused(Exception):
 
 
 class ProxyHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with four changes.
+    """uvicorn's httptools protocol with five changes.
 
     - Requests whose target is not origin-form are marked: httptools keeps only the path
       of ``GET http://host/path HTTP/1.1``; the app must know the target was absolute-form
@@ -75,6 +81,13 @@ class ProxyHttpProtocol(HttpToolsProtocol):
     - A request the HTTP parser refuses gets a problem+json 400, not uvicorn's plain text.
       That overrides ``send_400_response``, uvicorn's own (tests/test_server.py fails if
       uvicorn stops calling it so).
+    - A request head must arrive whole within ``header_seconds`` (from the connection, or
+      from its first byte on a kept-alive one), and a body may go ``body_seconds`` without
+      a byte (unless the proxy itself stopped reading it): else 408 and the connection is
+      closed (the app, if it waits for the body, sees the caller leave; nothing was
+      claimed, the body is read whole first). uvicorn has neither (a slow or stalled
+      caller held a connection for ever). A timer runs only while a head or body is
+      incomplete after a read: a request that arrives in one read arms none.
     """
 
     def __init__(
@@ -85,9 +98,16 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
         *,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        header_seconds: float = DEFAULT_HEADER_TIMEOUT,
+        body_seconds: float = DEFAULT_BODY_TIMEOUT,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.max_header_bytes = max_header_bytes
+        self.header_seconds = header_seconds
+        self.body_seconds = body_seconds
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_body = False  # between a head and the end of its body
+        self._body_at = 0.0  # when a body's bytes last came (the loop's clock)
         self._head_bytes: int | None = None  # None: not inside a request head
         self._chunk = 0  # the length of the chunk being parsed
         self._first = 0  # the length of the chunk the request head began in
@@ -95,6 +115,11 @@ class ProxyHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(cast(asyncio.Transport, CoalescingTransport(transport)))
+        self._arm(self.header_seconds)  # the first head, counted from the connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # answered, the connection is closing
@@ -106,6 +131,12 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)  # a chunk all of whose bytes are head
             if self._head_bytes > self.max_header_bytes:
                 self._refuse(self._too_large())
+        if self._in_body:
+            self._body_at = self.loop.time()
+            if self._timer is None:
+                self._arm(self.body_seconds)
+        elif self._head_bytes is not None and self._timer is None:
+            self._arm(self.header_seconds)  # a kept-alive connection's next head
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -117,6 +148,8 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         # its lines are counted only when that bound is over the limit (a large chunk).
         bound = self._first + (self._head_bytes or 0) + self._chunk
         self._head_bytes = None
+        self._disarm()
+        self._in_body = True
         if bound > self.max_header_bytes and self._head_size() > self.max_header_bytes:
             self._refuse(self._too_large())
             raise _Refused  # stops the parser; uvicorn then calls send_400_response
@@ -124,6 +157,38 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             scope = cast(dict[str, Any], self.scope)
             scope.setdefault("extensions", {})[ABSOLUTE_FORM] = {}
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._disarm()
+        super().on_message_complete()
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = self.loop.call_later(seconds, self._late)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _late(self) -> None:
+        """The head or the body has stopped arriving: 408, unless the proxy itself paused
+        reading (a body streamed to a slow upstream) or a body's bytes came meanwhile."""
+        self._timer = None
+        if self._in_body:
+            idle = self.loop.time() - self._body_at
+            if self.flow.read_paused or idle < self.body_seconds:
+                self._arm(max(self.body_seconds - idle, 0.05))
+                return
+            late = f"the request body sent nothing for {self.body_seconds:g} s"
+        else:
+            late = f"the request head did not arrive whole within {self.header_seconds:g} s"
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self._refused = True  # a response is being sent: nothing more can be said
+            self.transport.close()
+            return
+        self._refuse(RequestTimeout(late))
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its parser refused, as a problem document; if a
@@ -151,6 +216,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._refused = True
+        self._disarm()
         self.transport.write(raw_problem_response(exc))
         self.transport.close()
 
@@ -163,6 +229,8 @@ def serve(
     log_level: str,
     graceful_seconds: float,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    header_seconds: float = DEFAULT_HEADER_TIMEOUT,
+    body_seconds: float = DEFAULT_BODY_TIMEOUT,
 ) -> None:
     """Serve until SIGTERM/SIGINT; in-flight upstream calls finish and are recorded first.
 
@@ -171,12 +239,18 @@ def serve(
     still in flight then (a 401 retry, a slow token endpoint) is cancelled too, and
     recorded FAILED (outcome unknown), never left to run again.
 
-    ``max_header_bytes`` reaches the protocol as an argument bound to its class (a
-    partial: it survives the pickling that hands the configuration to worker processes).
+    ``max_header_bytes`` and the head and body timeouts reach the protocol as arguments
+    bound to its class (a partial: it survives the pickling that hands the configuration
+    to worker processes).
     ``host`` reaches the app as ``server.host`` (``ENV_HOST``): its Host checks follow
     the address actually bound, whatever the file says.
     """
-    protocol = functools.partial(ProxyHttpProtocol, max_header_bytes=max_header_bytes)
+    protocol = functools.partial(
+        ProxyHttpProtocol,
+        max_header_bytes=max_header_bytes,
+        header_seconds=header_seconds,
+        body_seconds=body_seconds,
+    )
     if config_path:
         os.environ[ENV_CONFIG] = os.path.abspath(config_path)
     os.environ[ENV_HOST] = host

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -327,12 +328,51 @@ def served(tool: CountingTool, tmp_path: Path) -> Iterator[ProxyProcess]:
     """``tool-proxy serve`` with a small header limit, in front of the counting tool."""
     config = {
         "store": {"url": "memory://"},
-        "limits": {"max_header_bytes": 2048},
+        "limits": {"max_header_bytes": 2048, "header_timeout": "500ms", "body_timeout": "500ms"},
         "routes": [route(tool.url, guarded=False)],
     }
     proxy = ProxyProcess(config, tmp_path).start()
     yield proxy
     proxy.stop()
+
+
+def answer_to(sock: socket.socket) -> tuple[int, str, bytes]:
+    """The status and problem type of the answer on ``sock``, and what follows it (b""
+    once the proxy closed the connection)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    headers = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:])
+    while len(body) < int(headers[b"content-length"]):
+        body += sock.recv(65536)
+    document = json.loads(body)
+    return int(head.split()[1]), str(document["type"]).rsplit(":", 1)[-1], sock.recv(65536)
+
+
+def test_a_head_or_body_that_stops_arriving_is_a_408_and_the_connection_closed(
+    tool: CountingTool, served: ProxyProcess
+) -> None:
+    """limits.header_timeout bounds a head's arrival, limits.body_timeout a body's silence
+    (500ms each here): a stalled caller holds no connection for ever, and its call never
+    reaches the tool; a body that keeps coming, however slowly, is read."""
+    head = b"POST /tools/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 12\r\n"
+    for sent in (b"", head[:20], head + b"\r\nabcd"):  # nothing, half a head, a third of a body
+        with socket.create_connection(("127.0.0.1", served.port), timeout=5) as sock:
+            sock.sendall(sent)
+            started = time.monotonic()
+            assert answer_to(sock) == (408, "request-timeout", b""), sent
+            assert 0.4 < time.monotonic() - started < 3, sent
+    with socket.create_connection(("127.0.0.1", served.port), timeout=5) as sock:
+        sock.sendall(head + b"\r\n")
+        for part in (b"abcd", b"efgh", b"ijkl"):  # 0.9 s in all, never 0.5 s silent
+            time.sleep(0.3)
+            sock.sendall(part)
+        data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200"), data
+    assert tool.total == 1
 
 
 def test_the_served_proxy_takes_its_limits_and_answers_problems(

@@ -10,7 +10,7 @@ from pydantic import (
     field_validator,
 )
 
-from proxy.config.fields import Strict, check_entries
+from proxy.config.fields import Duration, Strict, check_entries
 from proxy.hosts import check_host_entry, check_origin_entry
 
 # Where `serve` listens unless the file or --host/--port say otherwise.
@@ -45,6 +45,11 @@ DEFAULT_MAX_HEADER_BYTES = 60 * 1024
 
 # The least that limits.max_header_bytes may be.
 MIN_HEADER_BYTES = 1024
+
+# How long a request head may take to arrive whole, and a body may go without a byte
+# (408 then): nginx's client_header_timeout and client_body_timeout.
+DEFAULT_HEADER_TIMEOUT = 60.0
+DEFAULT_BODY_TIMEOUT = 60.0
 
 
 def check_listen_host(host: str) -> str:
@@ -97,3 +102,5 @@ class LimitsConfig(Strict):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=0)
     max_json_depth: int = Field(default=DEFAULT_MAX_JSON_DEPTH, ge=1, le=MAX_JSON_DEPTH_LIMIT)
     max_header_bytes: int = Field(default=DEFAULT_MAX_HEADER_BYTES, ge=MIN_HEADER_BYTES)
+    header_timeout: Duration = DEFAULT_HEADER_TIMEOUT
+    body_timeout: Duration = DEFAULT_BODY_TIMEOUT
