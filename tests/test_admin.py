@@ -407,6 +407,26 @@ def test_admin_by_jwt_role(
     assert event["admin"] == f"jwt iss={idp.issuer} sub=ops"
 
 
+def test_an_operator_token_needs_no_principal_claim(
+    tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
+) -> None:
+    """``principal: [sub, tid]`` scopes callers' records; an operator's token (a service
+    account without a tenant) scopes none, and signs in without ``tid``; a caller's
+    token without it is a 401 on the tool's route."""
+    auth = {**auth_config(idp), "principal": ["sub", "tid"]}
+    proxy = make_proxy(
+        route(tool.url, auth={"required": True}),
+        auth=auth,
+        admin={"role": "tool-proxy-admin"},
+    )
+    operator = bearer(idp.token("ops", roles=["tool-proxy-admin"]))
+    assert httpx.get(f"{proxy.url}/_proxy/admin/records", headers=operator).status_code == 200
+    key = new_key(BODY, 1, "plan-tenantless")
+    caller = {**bearer(idp.token("alice")), "Idempotency-Key": key}
+    assert httpx.post(f"{proxy.url}/tools/x", json=BODY, headers=caller).status_code == 401
+    assert tool.count(key) == 0
+
+
 def test_admin_config_is_validated(tmp_path: Path) -> None:
     base = {"routes": [route("http://127.0.0.1:9")]}
     for admin_section, expected in (

@@ -103,8 +103,12 @@ class Authenticator:
             return None
         return await self.validate(token, allow_expired)
 
-    async def validate(self, token: str, allow_expired: bool = False) -> Caller:
-        """Check signature, algorithm, issuer, audience and times; 401 on any failure."""
+    async def validate(
+        self, token: str, allow_expired: bool = False, *, principal: bool = True
+    ) -> Caller:
+        """Check signature, algorithm, issuer, audience and times; 401 on any failure.
+        ``principal``: the token scopes records, so each ``auth.principal`` claim is
+        required of it (an operator's token, which scopes nothing, needs none of them)."""
         try:
             header = jwt.get_unverified_header(token)
             issued_by = jwt.decode(token, options={"verify_signature": False}).get("iss")
@@ -127,7 +131,11 @@ class Authenticator:
                 leeway=issuer.leeway,
                 options={
                     # a principal claim a token lacks would make its callers one
-                    "require": [*_REQUIRED, *issuer.required_claims, *self._principal],
+                    "require": [
+                        *_REQUIRED,
+                        *issuer.required_claims,
+                        *(self._principal if principal else ()),
+                    ],
                     "verify_exp": not allow_expired,
                 },
             )
