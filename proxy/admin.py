@@ -101,7 +101,7 @@ class AdminAuth:
             if read_role is None:
                 raise Unauthorized("the admin token is not valid")
         assert self._authenticator is not None
-        caller = await self._authenticator.validate(token, principal=False)  # an operator
+        caller = await self._authenticator.validate(token, of_caller=False)  # an operator
         identity = f"jwt iss={caller.claims['iss']} sub={caller.claims['sub']}"
         roles = caller.claims.get(config.roles_claim)
         if config.role is not None and _has_role(roles, config.role):

@@ -104,10 +104,10 @@ class Authenticator:
         return await self.validate(token, allow_expired)
 
     async def validate(
-        self, token: str, allow_expired: bool = False, *, principal: bool = True
+        self, token: str, allow_expired: bool = False, *, of_caller: bool = True
     ) -> Caller:
         """Check signature, algorithm, issuer, audience and times; 401 on any failure.
-        ``principal``: the token scopes records, so each ``auth.principal`` claim is
+        ``of_caller``: the token scopes records, so each ``auth.principal`` claim is
         required of it (an operator's token, which scopes nothing, needs none of them)."""
         try:
             header = jwt.get_unverified_header(token)
@@ -134,7 +134,7 @@ class Authenticator:
                     "require": [
                         *_REQUIRED,
                         *issuer.required_claims,
-                        *(self._principal if principal else ()),
+                        *(self._principal if of_caller else ()),
                     ],
                     "verify_exp": not allow_expired,
                 },
