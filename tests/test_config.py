@@ -285,6 +285,18 @@ def test_store_urls_their_stores_can_use_pass(url: str) -> None:
     assert parse_config({"store": {"url": url}, "routes": [ROUTE]}, env={}).store.url == url
 
 
+def test_a_section_left_empty_for_its_variable_is_filled_by_it() -> None:
+    """``store:`` with its keys commented out and the URL in TOOL_PROXY_STORE_URL (a
+    Kubernetes secret, say) loads; without the variable it is the empty section."""
+    written = {"store": None, "server": None, "routes": [ROUTE]}
+    env = {"TOOL_PROXY_STORE_URL": "memory://", "TOOL_PROXY_HOST": "0.0.0.0"}
+    config = parse_config(written, env=env)
+    assert (config.store.url, config.server.host) == ("memory://", "0.0.0.0")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(written, env={})
+    assert [p.split(":")[0] for p in caught.value.problems] == ["store", "server"]
+
+
 def test_a_section_given_empty_is_refused_not_turned_off(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(

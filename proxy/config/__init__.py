@@ -516,6 +516,7 @@ def parse_config(data: Any, *, env: Mapping[str, str] | None = None) -> Config:
             data = {**data, key: value}
         elif isinstance(found := data.get(section, {}), dict):  # else: reported as it is
             data = {**data, section: {**found, key: value}}
+            empty.pop(section, None)  # left empty for the variable to fill: as before
         else:
             continue
         replaced[location] = variable
