@@ -316,7 +316,7 @@ def test_a_section_given_empty_is_refused_not_turned_off(tmp_path: Path) -> None
         "    timeout: soon\n"
     )
     with pytest.raises(ConfigError) as caught:
-        load_config(path, env={ENV_STORE_URL: "memory://"})
+        load_config(path, env={})  # with TOOL_PROXY_STORE_URL, store: is its to fill
     assert caught.value.problems == [
         "store: empty; write {} for the defaults, or remove it",
         "admin: empty; give its keys, or remove it",  # {} is no admin section either
