@@ -204,6 +204,21 @@ def test_a_limit_key_the_body_holds_unreadably_is_a_400_and_nothing_is_sent(
     assert tool.total == 1
 
 
+def test_a_body_too_deep_to_read_that_is_not_said_to_be_json_has_no_key(
+    make_proxy: ProxyFactory, tool: CountingTool
+) -> None:
+    """Read as its hash reads it (``keys.fingerprint``): declared as text, or not at all,
+    a body too deep to parse is not JSON, so its members are absent (the shared bucket),
+    never a 400; declared JSON, it is ``invalid-json-body`` (above)."""
+    per_account = {"name": "per-account", "key": "json:/account", "rate": "2/1m"}
+    proxy = make_proxy(limited(tool.url, per_account, guarded=False))
+    body = b"notes: " + b"{" * 300 + b" and so on"
+    for sent in ({"content-type": "text/plain"}, {}):
+        answer = httpx.post(proxy.url + "/tools/llm", content=body, headers=sent)
+        assert answer.status_code == 200, answer.text
+    assert tool.total == 2
+
+
 def test_a_cost_read_from_the_body_refuses_a_member_named_twice(
     make_proxy: ProxyFactory, tool: CountingTool
 ) -> None:

@@ -49,7 +49,7 @@ from proxy.errors import (
     StoreUnavailable,
 )
 from proxy.forwarding import UpstreamResponse
-from proxy.keys import read_json
+from proxy.keys import is_json_media_type, read_json
 from proxy.metrics import Metrics
 from proxy.numbers import whole
 from proxy.policies import UNREAD, Context, Forward
@@ -502,8 +502,10 @@ def header_field(context: Context, name: bytes) -> str | None:
 def body_json(context: Context, max_depth: int | None) -> Any:
     """The request body's JSON value, read once per request as a hashed body is (the
     policies' ``json:`` keys and costs share it); None if the body is not JSON.
-    ``BodyKeyInvalidJSON`` if it nests deeper than ``max_depth``,
-    ``BodyKeyDuplicateMember`` if it repeats a member name: 400, nothing sent."""
+    ``BodyKeyDuplicateMember`` if it repeats a member name, ``BodyKeyInvalidJSON`` if it
+    nests deeper than ``max_depth`` and says it is JSON (its media type): 400, nothing
+    sent. Declared otherwise, or not at all, a body too deep to read is not JSON, as
+    for its hash (``keys.fingerprint``): its members are absent."""
     document = context.document
     if document is UNREAD:
         try:
@@ -513,9 +515,12 @@ def body_json(context: Context, max_depth: int | None) -> Any:
                 f"route {context.route.name} keys by members of the body: {exc.detail}"
             ) from exc
         except InvalidJSONBody as exc:
-            raise BodyKeyInvalidJSON(
-                f"route {context.route.name} keys by members of the body: {exc.detail}"
-            ) from exc
+            if not is_json_media_type(context.request.header(b"content-type")):
+                document = None
+            else:
+                raise BodyKeyInvalidJSON(
+                    f"route {context.route.name} keys by members of the body: {exc.detail}"
+                ) from exc
         context.document = document
     return document
 
