@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from proxy.errors import (
+    BadRequest,
     CallerLeft,
     InvalidHeader,
     InvalidIdempotencyKey,
@@ -129,6 +130,8 @@ def _check_coding(value: str) -> None:
     """``TransferCodingNotImplemented`` unless ``value`` is ``chunked`` (any case, empty
     list elements aside)."""
     codings = [c.strip().lower() for c in value.split(",") if c.strip()]
+    if not codings or codings.count("chunked") > 1:  # framing no reader can follow
+        raise BadRequest(f"Transfer-Encoding {value[:60]!r} is not a transfer coding list")
     if codings != ["chunked"]:
         raise TransferCodingNotImplemented(
             f"Transfer-Encoding {value[:60]!r}: only chunked is understood (RFC 9112 6.1); "
@@ -137,7 +140,7 @@ def _check_coding(value: str) -> None:
 
 
 def _check_repeated(name: bytes, value: bytes, first: str) -> None:
-    if name == b"transfer-encoding":  # a second line: another coding (two chunked: a 400)
+    if name == b"transfer-encoding":  # a second line: another coding (chunked twice: 400)
         _check_coding(f"{first}, {value.decode('latin-1')}")
     if name == b"host":
         raise InvalidHeader("Host is sent twice (RFC 9112 3.2: one Host header)")

@@ -263,6 +263,8 @@ def test_requests_the_http_parser_refuses_get_a_problem_document(
         (b"identity, chunked", 501),
         (b"gzip\r\nTransfer-Encoding: chunked", 501),  # two lines: gzip, then chunked
         (b"chunked, chunked", 400),  # the HTTP parser's own refusals
+        (b"chunked\r\nTransfer-Encoding: chunked", 400),  # chunked twice, on two lines
+        (b"", 400),  # no coding at all
         (b"gzip", 400),
         (b"Chunked", 200),
         (b",chunked", 200),
