@@ -83,11 +83,13 @@ class ProxyHttpProtocol(HttpToolsProtocol):
       uvicorn stops calling it so).
     - A request head must arrive whole within ``header_seconds`` (from the connection, or
       from its first byte on a kept-alive one), and a body may go ``body_seconds`` without
-      a byte (unless the proxy itself stopped reading it): else 408 and the connection is
-      closed (the app, if it waits for the body, sees the caller leave; nothing was
-      claimed, the body is read whole first). uvicorn has neither (a slow or stalled
-      caller held a connection for ever). A timer runs only while a head or body is
-      incomplete after a read: a request that arrives in one read arms none.
+      a byte (not counting while the proxy itself does not read it: paused, or not yet
+      asked for under ``Expect: 100-continue``): else 408 and the connection is closed
+      (the app, if it waits for the body, sees the caller leave; a guarded call is
+      claimed only once its body is whole). A new connection that sends nothing is
+      closed silently after ``header_seconds``. uvicorn has neither bound (a stalled
+      caller held a connection for ever). Past the connection's first, a timer runs only
+      while a head or body is incomplete after a read.
     """
 
     def __init__(
@@ -175,15 +177,21 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         """The head or the body has stopped arriving: 408, unless the proxy itself paused
         reading (a body streamed to a slow upstream) or a body's bytes came meanwhile."""
         self._timer = None
+        cycle = self.cycle
         if self._in_body:
+            if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+                self._body_at = self.loop.time()  # the proxy is the one not reading yet
             idle = self.loop.time() - self._body_at
-            if self.flow.read_paused or idle < self.body_seconds:
-                self._arm(max(self.body_seconds - idle, 0.05))
+            if idle < self.body_seconds:
+                self._arm(self.body_seconds - idle)
                 return
             late = f"the request body sent nothing for {self.body_seconds:g} s"
+        elif self._head_bytes is None:  # not a byte of a request: an idle connection
+            self._refused = True
+            self.transport.close()
+            return
         else:
             late = f"the request head did not arrive whole within {self.header_seconds:g} s"
-        cycle = self.cycle
         if cycle is not None and cycle.response_started and not cycle.response_complete:
             self._refused = True  # a response is being sent: nothing more can be said
             self.transport.close()
