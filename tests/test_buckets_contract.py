@@ -55,6 +55,23 @@ async def test_a_burst_passes_then_the_next_waits_one_interval(buckets: Buckets)
     assert 0.2 < refused.rates[0].reset <= 0.301
 
 
+@pytest.mark.parametrize(("quota", "period"), [(300, 200.0), (3, 2.0), (1001, 60.0)])
+async def test_the_whole_burst_passes_whatever_the_interval_rounds_to(
+    buckets: Buckets, quota: int, period: float
+) -> None:
+    """An interval no decimal holds (200 s / 300): the burst taken whole at once, and unit
+    by unit, fits; one unit more does not. A store that rounds the interval up (Redis was
+    sent 0.001 ms) refused the last unit for ever."""
+    interval = period / quota
+    whole = Rate(f"whole|{quota}", interval, interval * quota, cost=float(quota))
+    assert await take(buckets, whole)
+    units = Rate(f"units|{quota}", interval, interval * quota)
+    assert all([await take(buckets, units) for _ in range(min(quota, 5))])
+    rest = Rate(units.key, interval, interval * quota, cost=float(quota - min(quota, 5)))
+    assert quota <= 5 or await take(buckets, rest)
+    assert not await take(buckets, units)
+
+
 async def test_the_bucket_refills_at_the_rate(buckets: Buckets, later: Later) -> None:
     for _ in range(3):
         assert await take(buckets, RATE)

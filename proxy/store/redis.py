@@ -812,7 +812,11 @@ def limit_key(group: str, kind: str, key: str = "") -> str:
 
 
 def _fms(seconds: float) -> str:
-    return f"{seconds * 1000:.3f}"
+    """Milliseconds as the shortest text that reads back as the same double (Lua's
+    ``tonumber``): a bucket's interval and tolerance do the same arithmetic as the
+    memory store's. Rounded to 0.001 ms, an interval no decimal holds (200 s / 300) ran
+    over the tolerance by the burst's rounding, and the last unit never passed."""
+    return repr(seconds * 1000)
 
 
 class RedisBuckets:
