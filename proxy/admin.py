@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from proxy import records
 from proxy.auth.callers import Authenticator, Caller, bearer_token
-from proxy.auth.tokens import is_text, read_secret_file
+from proxy.auth.tokens import read_secret_file
 from proxy.config import AdminConfig, Config, RouteConfig
 from proxy.errors import (
     ConfigError,
@@ -39,7 +39,7 @@ from proxy.errors import (
     RequestTooLarge,
     Unauthorized,
 )
-from proxy.keys import KeyKind, is_key_part
+from proxy.keys import KeyKind, is_key_part, is_text
 from proxy.store import Store
 
 # How the identity of an operator signed in with ``admin.read_role`` ends (console only).
@@ -236,10 +236,9 @@ def _body(data: dict[str, Any]) -> bytes:
     text = data.get("body", "")
     if not isinstance(text, str):
         raise InvalidField("body", "must be a string (use body_base64 for bytes)")
-    try:
-        return text.encode()
-    except UnicodeEncodeError:
-        raise InvalidField("body", "not valid Unicode (a lone surrogate)") from None
+    if not is_text(text):
+        raise InvalidField("body", "not valid Unicode (a lone surrogate)")
+    return text.encode()
 
 
 class AdminRecords:

@@ -18,7 +18,7 @@ import structlog
 
 from proxy import records
 from proxy.auth.sealing import load_key
-from proxy.auth.tokens import is_text, load_secrets
+from proxy.auth.tokens import load_secrets
 from proxy.config import Config, load_config
 from proxy.config.server import MAX_PORT, MIN_PORT, check_listen_host
 from proxy.errors import (
@@ -28,7 +28,7 @@ from proxy.errors import (
     OperationNotFound,
     ProxyError,
 )
-from proxy.keys import Canonicalization, composite_key, is_key_part
+from proxy.keys import Canonicalization, composite_key, is_key_part, is_text
 from proxy.metrics import ENV_MULTIPROC_DIR
 from proxy.outcome import StoredResponse
 from proxy.store import Store, make_store

@@ -245,6 +245,17 @@ def parse_json(body: bytes) -> Any:
         raise InvalidJSONBody(f"the body is declared JSON but does not parse: {exc}") from exc
 
 
+def is_text(value: str) -> bool:
+    """False for a ``str`` that is not Unicode text: a lone surrogate, which Python keeps
+    for bytes the system passed that are not UTF-8 (the environment, a command line) and
+    JSON reads from an escape (``"\\ud800"``); no request, store or log line takes it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_json(body: bytes, max_depth: int | None) -> Any:
     """The value of a JSON body read as a hashed one is (UTF-8, -16 or -32), for a policy
     that keys by a member of it (``json:``): None if it is not JSON (its members are

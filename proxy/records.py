@@ -34,6 +34,7 @@ from proxy.errors import (
     ResponseNotStored,
     StoreError,
 )
+from proxy.keys import is_text
 from proxy.outcome import StoredResponse
 from proxy.problems import MEDIA_TYPE
 from proxy.store import Record, RecordKey, State, Store
@@ -308,10 +309,8 @@ async def list_records(
     position, after = state.get("s", ""), state.get("a", "")
     if not isinstance(position, str) or not isinstance(after, str) or set(state) - {"s", "a"}:
         raise InvalidField(field, "not a cursor of this listing")
-    try:  # a lone surrogate ("\ud800") is not text a store can take
-        position.encode(), after.encode()
-    except UnicodeEncodeError:
-        raise InvalidField(field, "not a cursor of this listing") from None
+    if not (is_text(position) and is_text(after)):  # a lone surrogate: no store takes it
+        raise InvalidField(field, "not a cursor of this listing")
     return await _scan_page(store, where, limit, position, after, now)
 
 
@@ -354,10 +353,8 @@ def check_reason(value: Any, field: str = "reason") -> str:
         raise InvalidField(field, "required: say why (it goes to the audit log)")
     if len(value) > MAX_REASON_CHARS:
         raise InvalidField(field, f"at most {MAX_REASON_CHARS} characters")
-    try:
-        value.encode()
-    except UnicodeEncodeError:  # a lone surrogate escape: JSON reads it, no store keeps it
-        raise InvalidField(field, "not Unicode text") from None
+    if not is_text(value):  # a lone surrogate escape: JSON reads it, no store keeps it
+        raise InvalidField(field, "not Unicode text")
     return value.strip()
 
 

@@ -54,6 +54,7 @@ from proxy.errors import (
     ReauthenticationRequired,
     StoreUnavailable,
 )
+from proxy.keys import is_text
 from proxy.store import Store
 
 TOKEN_EXCHANGE_GRANT = "urn:ietf:params:oauth:grant-type:token-exchange"
@@ -95,16 +96,6 @@ def read_secret_file(field: str, path: str) -> str:
     except ValueError:  # raised before the file is opened
         why = "a NUL byte" if "\x00" in path else "a character this file system cannot encode"
         raise ValueError(f"{shown} cannot be read (the path holds {why})") from None
-
-
-def is_text(value: str) -> bool:
-    """False for text the system passed that is not UTF-8 (the environment, a command
-    line): Python keeps such bytes as lone surrogates, which no request or store takes."""
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def load_secret(config: TokenConfig) -> Secret | str:

@@ -49,7 +49,7 @@ from proxy.errors import (
     StoreUnavailable,
 )
 from proxy.forwarding import UpstreamResponse
-from proxy.keys import is_json_media_type, read_json
+from proxy.keys import is_json_media_type, is_text, read_json
 from proxy.metrics import Metrics
 from proxy.numbers import whole
 from proxy.policies import UNREAD, Context, Forward
@@ -539,13 +539,11 @@ def key_text(document: Any, pointer: str, context: Context, *, plain: bool) -> s
     else:
         text = json.dumps(found, sort_keys=True)
         unicode = json.dumps(found, ensure_ascii=False) if "\\ud" in text else ""
-    try:
-        unicode.encode()
-    except UnicodeEncodeError as exc:
+    if not is_text(unicode):
         raise BodyKeyUnreadable(
             f"route {context.route.name} needs JSON member {pointer} of the body as its key; "
             "it holds a string that is not Unicode (a lone surrogate escape)"
-        ) from exc
+        )
     return text
 
 
