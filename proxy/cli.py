@@ -257,8 +257,8 @@ async def _open_store(config: Config) -> Store:
     store = _make_store(config)
     try:
         await store.open()
-    except ValueError as exc:
-        raise InvalidField("store.url", str(exc)) from None
+    except ValueError as exc:  # e.g. a NUL byte in a SQLite path: the URL, most likely
+        raise InvalidField("store.url", f"the store did not open with it: {exc}") from None
     return store
 
 
