@@ -66,6 +66,11 @@ class _Refused(Exception):
     """Raised in a parser callback to stop httptools: the request has been refused."""
 
 
+# While the proxy itself holds a body back (reading paused, 100-continue not yet sent), its
+# timer looks again after this share of limits.body_timeout.
+HELD_SHARE = 0.1
+
+
 class ProxyHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with five changes.
 
@@ -136,7 +141,7 @@ class ProxyHttpProtocol(HttpToolsProtocol):
         if self._in_body:
             self._body_at = self.loop.time()
             if self._timer is None:
-                self._arm(self.body_seconds)
+                self._arm(self.body_seconds * HELD_SHARE if self._held() else self.body_seconds)
         elif self._head_bytes is not None and self._timer is None:
             self._arm(self.header_seconds)  # a kept-alive connection's next head
 
@@ -173,14 +178,24 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
 
+    def _held(self) -> bool:
+        """Whether the proxy itself keeps the body from coming: reading paused, or the
+        ``100 Continue`` not yet sent."""
+        cycle = self.cycle
+        return self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue)
+
     def _late(self) -> None:
         """The head or the body has stopped arriving: 408, unless the proxy itself paused
         reading (a body streamed to a slow upstream) or a body's bytes came meanwhile."""
         self._timer = None
         cycle = self.cycle
         if self._in_body:
-            if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
-                self._body_at = self.loop.time()  # the proxy is the one not reading yet
+            if self._held():
+                # the proxy is the one not reading yet: looked at again soon, so that
+                # at most a tenth of the bound passes uncounted once it reads
+                self._body_at = self.loop.time()
+                self._arm(self.body_seconds * HELD_SHARE)
+                return
             idle = self.loop.time() - self._body_at
             if idle < self.body_seconds:
                 self._arm(self.body_seconds - idle)
@@ -190,10 +205,17 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self._refused = True
             self.transport.close()
             return
+        elif cycle is not None and not cycle.response_complete:
+            # a pipelined head behind a request still answered: its time starts when
+            # that answer is whole (a 408 now would read as the earlier request's answer)
+            self._arm(self.header_seconds)
+            return
         else:
             late = f"the request head did not arrive whole within {self.header_seconds:g} s"
-        if cycle is not None and cycle.response_started and not cycle.response_complete:
-            self._refused = True  # a response is being sent: nothing more can be said
+        if self._in_body and cycle is not None and cycle.response_started:
+            # the body's request is being answered, or was answered whole (an app that
+            # answered without reading it): a 408 now would be read as another answer
+            self._refused = True
             self.transport.close()
             return
         self._refuse(RequestTimeout(late))

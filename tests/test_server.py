@@ -4,9 +4,14 @@ the parser's refusals as problem documents (ProxyHttpProtocol)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
-from typing import Any
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import uvicorn
@@ -208,3 +213,110 @@ async def test_a_parser_error_during_a_response_closes_without_a_second_answer()
     assert inner.closed
     for task in protocol.tasks:
         task.cancel()
+
+
+# The head and body timers against a real uvicorn server on a thread (0.5 s each).
+TIMER = 0.5
+
+
+async def _timed_app(scope: Any, receive: Any, send: Any) -> None:
+    """/wait asks for its body after most of a timer, /slow answers after several,
+    /early answers without reading its body; each says how many body bytes it read."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    path, body = scope["path"], b""
+    await asyncio.sleep({"/wait": TIMER * 0.9, "/slow": TIMER * 5}.get(path, 0))
+    while path != "/early":
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    out = b"read %d" % len(body)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"%d" % len(out))],
+        }
+    )
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture(scope="module")
+def timed_port() -> Iterator[int]:
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    protocol = functools.partial(ProxyHttpProtocol, header_seconds=TIMER, body_seconds=TIMER)
+    config = uvicorn.Config(
+        _timed_app,
+        host="127.0.0.1",
+        port=port,
+        http=cast(type[asyncio.Protocol], protocol),
+        ws="none",
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        thread.join(0.02)
+    yield port
+    server.should_exit = True
+    thread.join(5)
+
+
+def _until_closed(sock: socket.socket, seconds: float = 8) -> bytes:
+    sock.settimeout(seconds)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_body_held_back_by_100_continue_is_not_counted_as_silence(timed_port: int) -> None:
+    """The proxy asks for the body late (the 100 goes out just before the timer): the
+    caller's time starts then, not at the head."""
+
+    with socket.create_connection(("127.0.0.1", timed_port), timeout=5) as sock:
+        head = (
+            b"POST /wait HTTP/1.1\r\nHost: a\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
+        )
+        sock.sendall(head)
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        time.sleep(TIMER * 0.6)  # past the timer counted from the head, within it from the 100
+        sock.sendall(b"abcd")
+        sock.settimeout(5)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert answer.endswith(b"read 4")
+
+
+def test_a_pipelined_head_waits_for_the_answer_before_it(timed_port: int) -> None:
+    """Half a head behind a request still being answered: the answer comes first and
+    whole, the 408 only after it (HTTP/1.1 answers in order)."""
+
+    with socket.create_connection(("127.0.0.1", timed_port), timeout=5) as sock:
+        sock.sendall(b"GET /slow HTTP/1.1\r\nHost: a\r\n\r\nGET /x HT")
+        data = _until_closed(sock)
+    first, _, rest = data.partition(b"read 0")
+    assert first.startswith(b"HTTP/1.1 200 "), data
+    assert rest.startswith(b"HTTP/1.1 408 "), data
+
+
+def test_a_body_left_unread_after_its_answer_gets_no_second_answer(timed_port: int) -> None:
+    """The app answered without reading the body; the body then stalls: the connection
+    is closed, with no 408 after the 200."""
+
+    with socket.create_connection(("127.0.0.1", timed_port), timeout=5) as sock:
+        sock.sendall(b"POST /early HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nab")
+        data = _until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 200 "), data
+    assert data.endswith(b"read 0")
+    assert b"408" not in data
