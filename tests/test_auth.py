@@ -59,13 +59,15 @@ def test_a_token_without_a_principal_claim_is_refused_not_pooled(
     tool: CountingTool, make_proxy: ProxyFactory, idp: IdentityProvider
 ) -> None:
     """``principal: [tid]``: two tokens without a ``tid`` would be one principal (one
-    record, one private cache): each is a 401, and nothing runs."""
+    record, one private cache), nor would two whose ``tid`` is empty: each is a 401, and
+    nothing runs."""
     auth = {**auth_config(idp), "principal": ["tid"]}
     proxy = make_proxy(route(tool.url, auth={"required": True}), auth=auth)
     key = new_key(BODY)
     alice = call(f"{proxy.url}/tools/db", idp.token("alice"), key)
     bob = call(f"{proxy.url}/tools/db", idp.token("bob"), key)
-    for refused in (alice, bob):
+    empty = [call(f"{proxy.url}/tools/db", idp.token(who, tid=""), key) for who in ("a", "b")]
+    for refused in (alice, bob, *empty):
         assert refused.status_code == 401, refused.text
         assert refused.headers["content-type"] == "application/problem+json"
         assert '"tid"' in refused.json()["detail"]

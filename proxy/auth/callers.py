@@ -141,6 +141,16 @@ class Authenticator:
             )
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"the token is not valid: {exc}") from exc
+        if of_caller:
+            _check_principal_claims(claims, self._principal)
         expired = allow_expired and claims["exp"] < time.time() - issuer.leeway
         principal = principal_of(claims, self._principal)
         return Caller(principal, principal_of(claims, IDENTITY_CLAIMS), claims, expired)
+
+
+def _check_principal_claims(claims: Mapping[str, Any], names: Sequence[str]) -> None:
+    """A principal claim that is present but empty (``"tid": ""``, ``[]``, ``{}``) names
+    no one: the callers whose tokens carry it so would be one principal (401)."""
+    for name in names:
+        if claims[name] in ("", [], {}):
+            raise Unauthorized(f'the token is not valid: its "{name}" claim is empty')
