@@ -303,7 +303,7 @@ ASYNC_ROUTE = {**GOOD["routes"][0], "async": {"credentials": "clear"}}  # type: 
         for command in ("records", "operations", "serve")
         for url in ("redis://h:abc/0", "rediss://h:6379/0?ssl_cert_reqs=bogus")
     ]
-    + [("records", "sqlite:///tmp/a\x00b.db"), ("operations", "sqlite:///tmp/a\x00b.db")],
+    + [(command, "sqlite:///tmp/a\x00b.db") for command in ("records", "operations", "serve")],
 )
 def test_a_store_url_no_store_is_made_of_is_named(command: str, url: str, tmp_path: Path) -> None:
     """Its store's own error (a port that is not a number, a NUL byte in the path) was a

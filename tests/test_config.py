@@ -256,6 +256,7 @@ def test_a_value_yaml_cannot_read_is_named_with_its_line(
         ("sqlite:///tmp/y.db?synchronous=bogus", "synchronous must be one of full, normal"),
         ("sqlite:///tmp/y.db?synchronus=normal", "unknown query parameter 'synchronus'"),
         ("sqlite://?synchronous=normal", "needs a file path"),
+        ("sqlite:///tmp/a\x00b.db", "the file path holds a NUL byte"),
         ("postgresql://u@h:notaport/db", "Port could not be cast to integer value as 'notaport'"),
         ("postgresql://h1:5432,h2:x/db", "Port could not be cast to integer value as 'x'"),
         ("postgres://[::1/db", "Invalid IPv6 URL"),

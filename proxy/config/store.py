@@ -141,6 +141,8 @@ def _check_sqlite(url: str) -> None:
         raise ValueError(str(exc)) from None
     if not path:
         raise ValueError("sqlite:// needs a file path, e.g. sqlite:///var/lib/tool-proxy/state.db")
+    if "\x00" in path:  # SQLite's open refuses it at start-up
+        raise ValueError("the file path holds a NUL byte")
     unknown = sorted(set(parse_qs(url.partition("?")[2], keep_blank_values=True)) - {"synchronous"})
     if unknown:
         raise ValueError(f"unknown query parameter {unknown[0]!r} (sqlite:// takes synchronous)")
