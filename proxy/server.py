@@ -206,8 +206,9 @@ class ProxyHttpProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         elif cycle is not None and not cycle.response_complete:
-            # a pipelined head behind a request still answered: its time starts when
-            # that answer is whole (a 408 now would read as the earlier request's answer)
+            # a pipelined head behind a request still answered: not timed out while that
+            # answer is unfinished, looked at again a whole bound later (a 408 now would
+            # read as the earlier request's answer)
             self._arm(self.header_seconds)
             return
         else:
